@@ -1,0 +1,48 @@
+"""Typed settings shared by the CLI and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How a token is chosen from a distribution. temperature 0 means greedy.
+
+    The same warp (temperature, then top-k, then top-p) is applied to the target's
+    and the draft's logits, which is what keeps speculative sampling lossless.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """What one generation may do: how many tokens to draft, when to stop."""
+
+    k: int = 4
+    max_new_tokens: int = 256
+    stop_strings: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise ValueError(f"k (draft length) must be >= 0, got {self.k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must not be empty")

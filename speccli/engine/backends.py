@@ -1,0 +1,118 @@
+"""What the decode loop needs of a model: score new tokens against the cached context,
+and forget the cache past a length. transformers is the first backend."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Protocol, Sequence
+
+import torch
+
+
+class CausalLM(Protocol):
+    """A causal language model with a KV cache, at batch size 1."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def cached_tokens(self) -> Sequence[int]:
+        """The token ids the cache currently holds, in order."""
+        ...
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest context the model supports, if known."""
+        ...
+
+    def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
+        """Append `token_ids` to the cache and return float32 logits [n, V] for each of
+        them (or [1, V] for the last one only when all_logits is False)."""
+        ...
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens."""
+        ...
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class HFCausalLM:
+    """A transformers causal LM plus its DynamicCache.
+
+    Rolling back crops the cache in place (`DynamicCache.crop` with a negative count in
+    transformers 5.x): nothing is copied and nothing is prefilled again.
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
+        from transformers import DynamicCache
+
+        self.model = model.eval()
+        self._vocab_size = vocab_size or int(model.get_output_embeddings().weight.shape[0])
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        self._cache = self._new_cache()
+        self._tokens: list[int] = []
+        # transformers 5.x names the argument `cache`; 4.x called it `past_key_values`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._supports_logits_to_keep = "logits_to_keep" in params
+        self._device = next(model.parameters()).device
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def cached_tokens(self) -> Sequence[int]:
+        return self._tokens
+
+    @property
+    def max_length(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
+        if not token_ids:
+            raise ValueError("forward() needs at least one token")
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)
+        kwargs = {self._cache_kwarg: self._cache, "use_cache": True}
+        if not all_logits and self._supports_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=ids, **kwargs)
+        except BaseException:
+            # Interrupted mid-pass (Ctrl-C, OOM): some layers may hold the new tokens and
+            # others not. Start from an empty cache rather than trust it.
+            self._cache = self._new_cache()
+            self._tokens.clear()
+            raise
+        self._tokens.extend(token_ids)
+        logits = out.logits[0]
+        if not all_logits:
+            logits = logits[-1:]
+        return logits.float()
+
+    def rollback(self, length: int) -> None:
+        if length < 0:
+            raise ValueError(f"cannot roll back to a negative length ({length})")
+        extra = len(self._tokens) - length
+        if extra <= 0:
+            return
+        if length == 0:
+            self._cache = self._new_cache()
+        else:
+            self._cache.crop(-extra)
+        del self._tokens[length:]

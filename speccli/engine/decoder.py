@@ -1,0 +1,165 @@
+"""The decode loop: draft, verify in one target pass, accept, roll the caches back, yield events.
+
+Invariant between steps: the target's cache holds every context token but the last
+(the "pending" token), so each verification pass feeds [pending] + draft and gets one
+row of logits per position: k + 1 rows for k drafted tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from speccli.config import SamplingConfig, SpecConfig
+from speccli.engine.backends import CausalLM, common_prefix_length
+from speccli.engine.drafters import Draft, Drafter
+from speccli.engine.events import (
+    Event,
+    FinishEvent,
+    FinishReason,
+    PrefillEvent,
+    Provenance,
+    StepEvent,
+)
+from speccli.engine.policy import DraftLengthPolicy, FixedDraftLength
+from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
+from speccli.engine.text import Detokenizer, OutputText
+
+
+def provenance_of(position: int, drafted: int, accepted: int) -> Provenance:
+    if position < accepted:
+        return Provenance.ACCEPTED
+    if drafted == 0:
+        return Provenance.TARGET
+    return Provenance.BONUS if accepted == drafted else Provenance.RESAMPLED
+
+
+def _make_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+class SpeculativeDecoder:
+    """Speculative decoding at batch size 1. With no drafter (or k = 0) it is plain
+    target decoding through the same loop, which is what baselines are measured with."""
+
+    def __init__(
+        self,
+        target: CausalLM,
+        tokenizer: Detokenizer,
+        eos_token_ids: Sequence[int],
+        drafter: Drafter | None = None,
+    ) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.drafter = drafter
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        spec: SpecConfig,
+        policy: DraftLengthPolicy | None = None,
+    ) -> Iterator[Event]:
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        policy = policy or FixedDraftLength(spec.k if self.drafter else 0)
+        started = time.perf_counter()
+        context = list(prompt_ids)
+        reused = self._prefill(context)
+        yield PrefillEvent(len(context), reused, time.perf_counter() - started)
+
+        generator = _make_generator(self.target.device, sampling.seed)
+        if self.drafter is not None:
+            self.drafter.start(context)
+        output = OutputText(self.tokenizer, context, spec.stop_strings)
+        max_length = self.target.max_length
+        emitted = 0
+        step = 0
+        while True:
+            room = spec.max_new_tokens - emitted - 1
+            if max_length is not None:
+                room = min(room, max_length - len(context))
+            k = max(0, min(policy.next_k(), room))
+
+            draft_started = time.perf_counter()
+            draft = Draft([])
+            if k > 0 and self.drafter is not None:
+                draft = self.drafter.propose(context, k, sampling, generator)
+            verify_started = time.perf_counter()
+            verdict = self._verify(context[-1], draft, sampling, generator)
+            settled = len(context) + verdict.accepted
+            self.target.rollback(settled)
+            if self.drafter is not None:
+                self.drafter.rollback(settled)
+            verified = time.perf_counter()
+
+            step += 1
+            policy.observe(len(draft), verdict.accepted)
+            new_tokens = draft.tokens[: verdict.accepted] + [verdict.next_token]
+            context.extend(new_tokens)
+
+            finish: FinishReason | None = None
+            for position, token in enumerate(new_tokens):
+                if token in self.eos_token_ids:
+                    finish = FinishReason.EOS
+                    break
+                emitted += 1
+                provenance = provenance_of(position, len(draft), verdict.accepted)
+                yield from output.push(token, provenance, step, position)
+                if output.stopped_by is not None:
+                    finish = FinishReason.STOP_STRING
+                    break
+                if emitted >= spec.max_new_tokens:
+                    finish = FinishReason.LENGTH
+                    break
+            yield StepEvent(
+                step=step,
+                drafted=len(draft),
+                accepted=verdict.accepted,
+                draft_seconds=verify_started - draft_started,
+                verify_seconds=verified - verify_started,
+            )
+            if finish is None and max_length is not None and len(context) >= max_length:
+                finish = FinishReason.CONTEXT
+            if finish is not None:
+                yield from output.flush()
+                yield FinishEvent(
+                    reason=finish,
+                    new_tokens=emitted,
+                    steps=step,
+                    seconds=time.perf_counter() - started,
+                    stop_string=output.stopped_by,
+                )
+                return
+
+    def _prefill(self, context: list[int]) -> int:
+        """Bring all but the last prompt token into the target's cache, reusing what a
+        previous generation left there. Returns the number of tokens reused."""
+        settled = context[:-1]
+        reused = common_prefix_length(self.target.cached_tokens, settled)
+        self.target.rollback(reused)
+        if reused < len(settled):
+            self.target.forward(settled[reused:], all_logits=False)
+        return reused
+
+    def _verify(
+        self,
+        pending: int,
+        draft: Draft,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+    ) -> Verdict:
+        logits = self.target.forward([pending, *draft.tokens])
+        draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
+        if sampling.greedy:
+            return verify_greedy(logits, draft_ids)
+        q = None if draft.probs is None else draft.probs.to(logits.device)
+        return verify_sampled(warp(logits, sampling), draft_ids, q, generator)

@@ -1,0 +1,173 @@
+"""Where candidate tokens come from.
+
+A drafter proposes up to k tokens that continue the context, with the draft
+probabilities q they were drawn from (None when the proposal is deterministic, which
+the verification rule treats as a one-hot q).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from speccli.config import SamplingConfig
+from speccli.engine.backends import CausalLM, common_prefix_length
+from speccli.engine.sampling import sample, warp
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V_target] warped q, or None for one-hot
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, context: Sequence[int]) -> None:
+        """A new generation begins from `context` (state from an earlier one may be reused)."""
+        ...
+
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        """Up to k tokens continuing `context`."""
+        ...
+
+    def rollback(self, length: int) -> None:
+        """Only context[:length] is settled; forget anything drafted past it."""
+        ...
+
+
+def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bring a draft model's logits to the target's vocabulary size.
+
+    Embedding matrices are often padded to different sizes; ids past the real
+    vocabulary are never produced by the tokenizer. The draft samples from the aligned
+    distribution, so q is exactly what it drew from and the rule stays lossless.
+    """
+    size = logits.shape[-1]
+    if size == vocab_size:
+        return logits
+    if size > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - size), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
+class ModelDrafter:
+    """A smaller causal LM of the same tokenizer drafts autoregressively from its own cache."""
+
+    name = "model"
+
+    def __init__(self, model: CausalLM, target_vocab_size: int) -> None:
+        self.model = model
+        self.target_vocab_size = target_vocab_size
+
+    def start(self, context: Sequence[int]) -> None:
+        self.model.rollback(common_prefix_length(self.model.cached_tokens, context))
+
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        if k <= 0:
+            return Draft([])
+        cached = len(self.model.cached_tokens)
+        if cached >= len(context):
+            # The last context token's logits are not kept: score it again.
+            self.model.rollback(len(context) - 1)
+            cached = len(context) - 1
+        logits = self.model.forward(context[cached:], all_logits=False)[-1]
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            row = align_vocab(logits, self.target_vocab_size)
+            if generator is not None:
+                row = row.to(generator.device)
+            if sampling.greedy:
+                token = int(torch.argmax(row))
+            else:
+                q = warp(row, sampling)
+                token = int(sample(q, generator))
+                probs.append(q)
+            tokens.append(token)
+            if i + 1 < k:
+                logits = self.model.forward([token], all_logits=False)[-1]
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(min(length, len(self.model.cached_tokens)))
+
+
+class PromptLookupDrafter:
+    """Prompt lookup decoding: find the longest n-gram (max_ngram down to min_ngram) that
+    ends the context and occurred earlier in it; the tokens that followed that earlier
+    occurrence are the draft. Costs no model pass; q is one-hot.
+
+    The n-gram index is built incrementally, so each step costs time proportional to the
+    tokens added, not to the context length.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._reset()
+
+    def _reset(self) -> None:
+        # For each n: n-gram -> end index (exclusive) of its latest occurrence that has a continuation.
+        self._index: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(self.min_ngram, self.max_ngram + 1)
+        }
+        self._indexed_upto = 0
+
+    def start(self, context: Sequence[int]) -> None:
+        self._reset()
+
+    def _extend_index(self, context: Sequence[int]) -> None:
+        # An n-gram ending at `end` has a continuation iff end < len(context).
+        for end in range(max(self._indexed_upto, 1), len(context)):
+            for n, table in self._index.items():
+                if end >= n:
+                    table[tuple(context[end - n : end])] = end
+        self._indexed_upto = max(self._indexed_upto, len(context))
+
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        if k <= 0:
+            return Draft([])
+        self._extend_index(context)
+        length = len(context)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if length < n:
+                continue
+            end = self._index[n].get(tuple(context[length - n :]))
+            if end is not None:
+                return Draft(list(context[end : end + k]))
+        return Draft([])
+
+    def rollback(self, length: int) -> None:
+        if length < self._indexed_upto:
+            # Only settled context is indexed; a shorter one means a different text.
+            self._reset()

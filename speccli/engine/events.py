@@ -1,0 +1,71 @@
+"""What the decode loop yields. Renderers and statistics consume these; nothing here prints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Provenance(str, Enum):
+    """Where an emitted token came from."""
+
+    ACCEPTED = "accepted"  # drafted, then accepted by the target's verification
+    RESAMPLED = "resampled"  # drawn from the target's residual after a draft token was rejected
+    BONUS = "bonus"  # drawn from the target after every drafted token was accepted
+    TARGET = "target"  # plain target decoding: nothing was drafted this step
+
+
+class FinishReason(str, Enum):
+    EOS = "eos"
+    LENGTH = "length"  # max_new_tokens reached
+    STOP_STRING = "stop_string"
+    CONTEXT = "context"  # the model's context window is full
+
+
+@dataclass(frozen=True)
+class PrefillEvent:
+    """The prompt was brought into the target's cache (only the tokens not already cached)."""
+
+    prompt_tokens: int
+    reused_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One emitted token. `text` is its share of the output text (may be empty while a
+    multi-byte character is incomplete, or cut short at a stop string)."""
+
+    token_id: int
+    text: str
+    provenance: Provenance
+    step: int
+    draft_position: int  # index within the step: 0 .. drafted (the last is the resampled/bonus token)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One target verification pass."""
+
+    step: int
+    drafted: int
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+
+    @property
+    def tokens(self) -> int:
+        """Tokens this step produced: the accepted drafts plus the resampled or bonus token."""
+        return self.accepted + 1
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: FinishReason
+    new_tokens: int
+    steps: int
+    seconds: float
+    stop_string: str | None = None
+
+
+Event = PrefillEvent | TokenEvent | StepEvent | FinishEvent
