@@ -19,7 +19,9 @@ def warp(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     transformers uses). Not for greedy decoding, which compares argmaxes instead."""
     if sampling.greedy:
         raise ValueError("warp() is for sampling; greedy decoding uses argmax")
-    scores = logits.float() / sampling.temperature
+    scores = logits.float()
+    # Subtracting the row max first keeps huge finite logits from overflowing when T < 1.
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / sampling.temperature
     vocab = scores.shape[-1]
     if 0 < sampling.top_k < vocab:
         kth_best = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]

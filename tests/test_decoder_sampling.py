@@ -1,0 +1,121 @@
+"""Speculative sampling draws continuations exactly as the target does (chi-square against
+the distribution computed by enumeration), and its caches roll back exactly."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from conftest import char_tokenizer, perturbed_copy, tiny_llama, wrap
+from speccli.config import SamplingConfig, SpecConfig
+from speccli.engine.decoder import SpeculativeDecoder
+from speccli.engine.drafters import ModelDrafter
+from speccli.engine.events import Provenance, TokenEvent
+
+ALPHABET = "abcdefghijklm"  # 13 characters + 3 special tokens: a vocabulary of 16
+CONTINUATION = 3
+DRAWS = 20_000
+
+
+def exact_continuation_distribution(model, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
+    """P(t1, t2, t3 | prompt) under the target with the warp applied by transformers'
+    own logits processors, by enumerating every continuation in one batched pass."""
+    vocab = model.config.vocab_size
+    processors = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)])
+    if sampling.top_k:
+        processors.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        processors.append(TopPLogitsWarper(sampling.top_p))
+
+    prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=CONTINUATION - 1)))
+    batch = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=batch).logits  # [V^2, len, V]
+    steps = logits[:, len(prompt) - 1 :, :]  # scores of t1, t2, t3
+    probs = []
+    for position in range(CONTINUATION):
+        context = batch[:, : len(prompt) + position]
+        warped = processors(context, steps[:, position, :].clone())
+        probs.append(torch.softmax(warped, dim=-1))
+    # probs[0][b] is the same row for every b; probs[1][b] depends on t1 = prefixes[b, 0].
+    joint = torch.zeros((vocab,) * CONTINUATION, dtype=torch.float64)
+    for b, (t1, t2) in enumerate(prefixes.tolist()):
+        joint[t1, t2, :] = probs[0][b, t1].double() * probs[1][b, t2].double() * probs[2][b].double()
+    return joint.flatten()
+
+
+def chi_square_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Bins expected to hold fewer than 5 draws are pooled; a draw in a bin of probability
+    zero is impossible under the target and fails outright."""
+    total = int(counts.sum())
+    impossible = counts[expected_probs == 0].sum()
+    assert impossible == 0, f"{int(impossible)} draws of continuations the target cannot produce"
+    expected = expected_probs.double() / expected_probs.double().sum() * total
+    large = expected >= 5
+    observed = counts[large].double().tolist() + [float(counts[~large].sum())]
+    wanted = expected[large].tolist() + [float(expected[~large].sum())]
+    if wanted[-1] == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    return float(chisquare(observed, wanted).pvalue)
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    tokenizer = char_tokenizer(ALPHABET)
+    vocab = len(tokenizer)
+    target = tiny_llama(vocab, seed=5, hidden=16, layers=1, logit_scale=6.0)
+    draft = perturbed_copy(target, noise=1.0, seed=6)
+    return tokenizer, target, draft
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(temperature=1.0, seed=1234),
+        SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, seed=4321),
+    ],
+    ids=["t1", "t0.7-topk6-topp0.9"],
+)
+def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sampling):
+    tokenizer, target, draft = small_pair
+    vocab = len(tokenizer)
+    prompt = tokenizer("abc", add_special_tokens=False)["input_ids"]
+    decoder = SpeculativeDecoder(wrap(target), tokenizer, [], ModelDrafter(wrap(draft), vocab))
+    spec = SpecConfig(k=2, max_new_tokens=CONTINUATION)
+    generator_seed = torch.Generator().manual_seed(sampling.seed)
+    counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
+    provenances = collections.Counter()
+    for _ in range(DRAWS):
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator_seed))
+        run = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
+        tokens = [e for e in decoder.generate(prompt, run, spec) if isinstance(e, TokenEvent)]
+        assert len(tokens) == CONTINUATION
+        index = 0
+        for event in tokens:
+            index = index * vocab + event.token_id
+            provenances[event.provenance] += 1
+        counts[index] += 1
+    # Every branch of the rule was exercised.
+    assert {Provenance.ACCEPTED, Provenance.RESAMPLED, Provenance.BONUS} <= set(provenances)
+    exact = exact_continuation_distribution(target, prompt, sampling)
+    assert chi_square_pvalue(counts, exact) >= 1e-3
+    # The test has power: the same draws are clearly not the draft's distribution.
+    draft_exact = exact_continuation_distribution(draft, prompt, sampling)
+    assert chi_square_pvalue_lenient(counts, draft_exact) < 1e-6
+
+
+def chi_square_pvalue_lenient(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """As chi_square_pvalue, but draws in zero-probability bins count against the fit."""
+    expected = expected_probs.clamp_min(1e-12)
+    return chi_square_pvalue(counts, expected / expected.sum())
