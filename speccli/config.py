@@ -46,3 +46,31 @@ class SpecConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must not be empty")
+
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTS = ("auto", "4bit", "8bit", "none")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Where and in what precision one model is loaded.
+
+    device: auto (CUDA when available), cpu, cuda or cuda:N.
+    dtype: auto picks what runs fastest where the model runs; else the weights' dtype.
+    quant: auto means bitsandbytes NF4 4-bit on CUDA and none on the CPU.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    quant: str = "auto"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quant not in QUANTS:
+            raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
