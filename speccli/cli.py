@@ -1,0 +1,373 @@
+"""The specgen command line. Thin: parse options, build configs, run the engine, render events."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import typer
+
+from speccli import __version__
+from speccli.config import LoadConfig, SamplingConfig, SpecConfig
+from speccli.errors import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    UsageError,
+    debugging,
+    report,
+)
+
+app = typer.Typer(
+    name="specgen",
+    help=(
+        "Fast local LLM generation by speculative decoding: a small draft model proposes "
+        "tokens, the target model checks them all in one pass, and a rejection rule keeps "
+        "the output exactly the target's own (greedy) or distributed exactly as the target's "
+        "(sampling).\n\nSet SPECGEN_DEBUG=1 to see full tracebacks."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"specgen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    pass
+
+
+def _default_target() -> str:
+    from speccli.models.registry import DEFAULT_TARGET
+
+    return DEFAULT_TARGET
+
+
+def _default_draft() -> str:
+    from speccli.models.registry import DEFAULT_DRAFT
+
+    return DEFAULT_DRAFT
+
+
+@dataclass
+class ModelOptions:
+    target: str
+    draft: str
+    device: str
+    dtype: str
+    quant: str
+    draft_device: Optional[str]
+    draft_dtype: Optional[str]
+    draft_quant: Optional[str]
+    trust_remote_code: bool
+
+    def configs(self) -> tuple[LoadConfig, LoadConfig]:
+        try:
+            target = LoadConfig(self.device, self.dtype, self.quant, self.trust_remote_code)
+            draft = LoadConfig(
+                self.draft_device or self.device,
+                self.draft_dtype or self.dtype,
+                self.draft_quant or self.quant,
+                self.trust_remote_code,
+            )
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        return target, draft
+
+
+def _stderr_progress(quiet: bool) -> Callable[[str], None]:
+    """Progress messages on stderr; also quiets the libraries' own logging, and their
+    progress bars unless stderr is a terminal that wants them."""
+    import transformers
+    from huggingface_hub.utils import disable_progress_bars
+
+    transformers.logging.set_verbosity_error()
+    if quiet or not sys.stderr.isatty():
+        transformers.logging.disable_progress_bar()
+        disable_progress_bars()
+
+    def progress(message: str) -> None:
+        if not quiet:
+            print(f"specgen: {message}", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def _run_guarded(body: Callable[[], int]) -> None:
+    """Run a command body, turning the errors a user can cause into one line and an exit code."""
+    from speccli.models.errors import ModelLoadError
+
+    try:
+        code = body()
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        raise typer.Exit(EXIT_INTERRUPTED)
+    except UsageError as error:
+        if debugging():
+            raise
+        report(str(error), error.hint)
+        raise typer.Exit(EXIT_USAGE)
+    except ModelLoadError as error:
+        if debugging():
+            raise
+        report(str(error), error.hint)
+        raise typer.Exit(EXIT_USAGE)
+    except (RuntimeError, OSError, ValueError) as error:
+        if debugging():
+            raise
+        report(f"{type(error).__name__}: {error}", "rerun with SPECGEN_DEBUG=1 for the traceback")
+        raise typer.Exit(EXIT_FAILURE)
+    raise typer.Exit(code)
+
+
+def _read_prompt(argument: Optional[str]) -> str:
+    """The prompt is piped stdin (if any) followed by the argument."""
+    parts: list[str] = []
+    if not sys.stdin.isatty():
+        data = sys.stdin.buffer.read()
+        try:
+            piped = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise UsageError(
+                f"standard input is not valid UTF-8 (byte {error.start})",
+                "convert it first, e.g. iconv -t UTF-8",
+            ) from None
+        if piped.strip():
+            parts.append(piped.rstrip("\n"))
+    if argument is not None and argument.strip():
+        parts.append(argument)
+    prompt = "\n".join(parts)
+    if not prompt.strip():
+        raise UsageError("the prompt is empty", 'pass it as an argument or pipe it in: echo "..." | specgen generate')
+    return prompt
+
+
+TARGET_HELP = "Target model: an alias (see `specgen models`), a Hugging Face hub id, a local folder, or a .gguf file."
+DRAFT_HELP = "Draft model (same forms as --target), `ngram` for prompt lookup (no draft model), or `none` for plain target decoding."
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt. Piped stdin, if any, comes first."),
+    target: str = typer.Option(None, "--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b"),
+    draft: str = typer.Option(None, "--draft", "-d", help=DRAFT_HELP, show_default="qwen2.5-coder-0.5b"),
+    k: int = typer.Option(4, "--k", "-k", help="Tokens drafted per step (>= 1)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy: exactly the target's own greedy output."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the smallest set of tokens with this much mass."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (repeatable output)."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop when this text appears (repeatable); it is not printed."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message (with --chat)."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when available), cpu, cuda, cuda:N."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16, float16."),
+    quant: str = typer.Option("auto", "--quant", help="auto (4-bit on CUDA, none on CPU), 4bit, 8bit, none."),
+    draft_device: Optional[str] = typer.Option(None, "--draft-device", help="Device for the draft (default: --device)."),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="dtype for the draft (default: --dtype)."),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="Quantization for the draft (default: --quant)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub to run."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, provenance, statistics) instead of the text."),
+    stats: bool = typer.Option(False, "--stats", help="Print statistics to stderr when done."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress messages on stderr."),
+) -> None:
+    """Generate a continuation of PROMPT and write only the text to stdout.
+
+    Exit codes: 0 done, 1 runtime failure, 2 bad usage or input, 130 interrupted.
+    """
+    options = ModelOptions(
+        target or _default_target(), draft or _default_draft(), device, dtype, quant,
+        draft_device, draft_dtype, draft_quant, trust_remote_code,
+    )
+
+    def body() -> int:
+        from speccli.pipeline import encode_prompt, load_pipeline
+
+        if k < 1:
+            raise UsageError(f"--k must be at least 1, got {k}", "use --draft none for plain target decoding")
+        try:
+            sampling = SamplingConfig(temperature, top_k, top_p, seed)
+            spec = SpecConfig(k=k, max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        text = _read_prompt(prompt)
+        target_config, draft_config = options.configs()
+        pipeline = load_pipeline(
+            options.target, options.draft, target_config, draft_config, _stderr_progress(quiet)
+        )
+        try:
+            prompt_ids = encode_prompt(pipeline.tokenizer, text, chat, system)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        return _stream_generation(pipeline, prompt_ids, sampling, spec, as_json, stats)
+
+    _run_guarded(body)
+
+
+def _stream_generation(
+    pipeline, prompt_ids: list[int], sampling: SamplingConfig, spec: SpecConfig, as_json: bool, show_stats: bool
+) -> int:
+    """Run one generation to stdout. On Ctrl-C what was generated stays printed (or goes
+    into the JSON, marked interrupted) and the exit code is 130."""
+    from speccli.stats import GenerationStats
+    from speccli.ui.plain import PlainTextRenderer, TokenRecorder, dump_json, stats_summary
+
+    figures = GenerationStats()
+    recorder = TokenRecorder()
+    renderer = recorder if as_json else PlainTextRenderer(sys.stdout)
+    interrupted = False
+    figures.start()
+    try:
+        for event in pipeline.decoder.generate(prompt_ids, sampling, spec):
+            figures.observe(event)
+            renderer.on_event(event)
+    except KeyboardInterrupt:
+        interrupted = True
+    if as_json:
+        payload = recorder.as_dict()
+        payload["finish_reason"] = "interrupted" if interrupted else figures.finish_reason
+        payload["target"] = pipeline.target.name
+        payload["draft"] = pipeline.draft.name if pipeline.draft else pipeline.drafter_name
+        payload["settings"] = {
+            "k": spec.k, "max_new_tokens": spec.max_new_tokens, "temperature": sampling.temperature,
+            "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
+            "dtype": str(pipeline.target.dtype).removeprefix("torch."),
+            "device": str(pipeline.target.device), "quant": pipeline.target.quant,
+        }
+        payload["stats"] = figures.as_dict()
+        dump_json(payload, sys.stdout)
+    elif sys.stdout.isatty():
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if show_stats:
+        print(stats_summary(figures), file=sys.stderr)
+    if interrupted:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+@app.command()
+def bench(
+    prompts: str = typer.Argument(..., help="A .txt file (one prompt per line) or .jsonl ({\"prompt\": ...} or {\"messages\": [...]})."),
+    target: str = typer.Option(None, "--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b"),
+    draft: str = typer.Option(None, "--draft", "-d", help=DRAFT_HELP.replace(", or `none` for plain target decoding", ""), show_default="qwen2.5-coder-0.5b"),
+    k: str = typer.Option("4", "--k", "-k", help="Draft length, or a comma-separated sweep such as 1,2,4,8."),
+    repeat: int = typer.Option(1, "--repeat", "-r", help="Run every prompt this many times; mean and spread are reported."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="New tokens per run."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 (the default) is greedy, and outputs are checked to be identical."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the smallest set of tokens with this much mass."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling; repeat r uses seed + r."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap .txt prompts in the chat template (.jsonl messages always are)."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message for chat prompts."),
+    output_format: str = typer.Option("table", "--format", "-f", help="table, json, csv or md."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report to this file instead of stdout."),
+    plot_path: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of speed-up and acceptance per prompt and per k."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when available), cpu, cuda, cuda:N."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16, float16."),
+    quant: str = typer.Option("auto", "--quant", help="auto (4-bit on CUDA, none on CPU), 4bit, 8bit, none."),
+    draft_device: Optional[str] = typer.Option(None, "--draft-device", help="Device for the draft (default: --device)."),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="dtype for the draft (default: --dtype)."),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="Quantization for the draft (default: --quant)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub to run."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
+) -> None:
+    """Run each prompt through plain target decoding and speculative decoding, side by side.
+
+    Reports tokens/s of each, the speed-up, acceptance and tokens per step per prompt, per k
+    and overall. In greedy mode the two outputs must be identical; a difference is an error
+    (exit code 1). The report goes to stdout, progress to stderr.
+    """
+    options = ModelOptions(
+        target or _default_target(), draft or _default_draft(), device, dtype, quant,
+        draft_device, draft_dtype, draft_quant, trust_remote_code,
+    )
+
+    def body() -> int:
+        from pathlib import Path
+
+        from speccli.bench import BenchRunner, BenchSettings, load_prompts, parse_k_list
+        from speccli.pipeline import load_pipeline
+        from speccli.ui import bench_report
+
+        prompt_set = load_prompts(Path(prompts))
+        ks = parse_k_list(k)
+        if output_format not in bench_report.FORMATS:
+            raise UsageError(f"--format must be one of {', '.join(bench_report.FORMATS)}, got {output_format!r}")
+        try:
+            sampling = SamplingConfig(temperature, top_k, top_p, seed)
+            settings = BenchSettings(sampling, max_new_tokens, tuple(ks), repeat, chat=chat, system=system)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        if options.draft.strip().lower() == "none":
+            raise UsageError("bench compares speculative decoding with plain decoding and needs a draft", "use --draft MODEL or --draft ngram")
+        target_config, draft_config = options.configs()
+        progress = _stderr_progress(quiet)
+        pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
+        runner = BenchRunner(
+            pipeline.decoder.target,
+            pipeline.tokenizer,
+            pipeline.target.eos_token_ids,
+            lambda: pipeline.decoder.drafter,
+            settings,
+            progress=lambda state: progress(state.describe()),
+            metadata={
+                "target": pipeline.target.name,
+                "draft": pipeline.draft.name if pipeline.draft else pipeline.drafter_name,
+                "drafter": pipeline.drafter_name,
+                "dtype": str(pipeline.target.dtype).removeprefix("torch."),
+                "device": str(pipeline.target.device),
+                "quant": pipeline.target.quant,
+            },
+        )
+        interrupted = False
+        try:
+            results = runner.run(prompt_set)
+        except KeyboardInterrupt:
+            interrupted = True
+            results = runner.results(complete=False)
+        _write_bench_report(results, output_format, output)
+        if plot_path:
+            bench_report.plot(results, Path(plot_path))
+        print(bench_report.headline(results), file=sys.stderr)
+        for line in bench_report.error_lines(results):
+            print(line, file=sys.stderr)
+        if interrupted:
+            print("interrupted: the report holds the rows finished so far", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        return EXIT_FAILURE if results.errors else 0
+
+    _run_guarded(body)
+
+
+def _write_bench_report(results, output_format: str, output: Optional[str]) -> None:
+    from speccli.ui import bench_report
+
+    if output:
+        with open(output, "w", encoding="utf-8") as handle:
+            handle.write(bench_report.render(results, output_format))
+    elif output_format == "table" and sys.stdout.isatty():
+        from rich.console import Console
+
+        bench_report.print_table(results, Console())
+    else:
+        sys.stdout.write(bench_report.render(results, output_format))
+        sys.stdout.flush()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

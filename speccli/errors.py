@@ -1,0 +1,31 @@
+"""Errors a user can cause, and how the CLI reports them: one line, a hint, an exit code."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+DEBUG_ENV = "SPECGEN_DEBUG"
+
+
+class UsageError(Exception):
+    """Bad input or options: reported with exit code 2."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def debugging() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def report(message: str, hint: str = "") -> None:
+    print(f"error: {message}", file=sys.stderr)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)

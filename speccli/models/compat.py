@@ -1,0 +1,66 @@
+"""Can this draft propose tokens for that target?
+
+Speculative decoding hands the draft's token ids straight to the target, so every id
+both tokenizers know must mean the same token string, and the special tokens must
+agree. One tokenizer may know more ids than the other (tokens appended at the end),
+and the models' embedding matrices may be padded to different sizes: the drafter
+aligns the logits (see ``engine.drafters.align_vocab``), which is a model-level
+matter, not a tokenizer-level one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from speccli.models.errors import TokenizerMismatchError
+
+__all__ = ["check_tokenizers_compatible"]
+
+SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
+
+_HINT = "pick a draft of the same model family as the target (same tokenizer); `specgen models` lists the families"
+
+
+def _id_to_token(tokenizer: Any, size: int) -> list[str | None]:
+    """Token string of each id below ``size`` (None for ids the tokenizer does not define)."""
+    table: list[str | None] = [None] * size
+    for token, index in tokenizer.get_vocab().items():
+        if 0 <= index < size:
+            table[index] = token
+    return table
+
+
+def check_tokenizers_compatible(target_tok: Any, draft_tok: Any) -> None:
+    """Raise :class:`TokenizerMismatchError` unless the draft's ids mean what the target's do.
+
+    Checks every id below ``min(len(target), len(draft))`` and the bos/eos/pad/unk
+    tokens (string and id) wherever both tokenizers define one.
+    """
+    size = min(len(target_tok), len(draft_tok))
+    target_ids = _id_to_token(target_tok, size)
+    draft_ids = _id_to_token(draft_tok, size)
+    if target_ids != draft_ids:
+        first = next(i for i, (a, b) in enumerate(zip(target_ids, draft_ids)) if a != b)
+        differing = sum(a != b for a, b in zip(target_ids, draft_ids))
+        more = f" ({differing} of {size} shared ids differ)" if differing > 1 else ""
+        raise TokenizerMismatchError(
+            f"tokenizers differ at id {first}: target {_show(target_ids[first])} vs draft "
+            f"{_show(draft_ids[first])}{more}",
+            hint=_HINT,
+        )
+
+    for kind in SPECIAL_TOKENS:
+        t_tok, d_tok = getattr(target_tok, f"{kind}_token", None), getattr(draft_tok, f"{kind}_token", None)
+        t_id, d_id = getattr(target_tok, f"{kind}_token_id", None), getattr(draft_tok, f"{kind}_token_id", None)
+        if t_tok is None or d_tok is None:
+            continue
+        if str(t_tok) != str(d_tok) or t_id != d_id:
+            raise TokenizerMismatchError(
+                f"tokenizers' {kind} tokens differ: target {_show(str(t_tok))} (id {t_id}) vs "
+                f"draft {_show(str(d_tok))} (id {d_id})",
+                hint=_HINT,
+            )
+
+
+def _show(token: str | None) -> str:
+    return "(no token)" if token is None else repr(token)

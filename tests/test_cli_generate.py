@@ -1,0 +1,159 @@
+"""`specgen generate` as a black box: what lands on stdout and stderr, and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import char_tokenizer, perturbed_copy, save_model_folder, tiny_llama
+from speccli.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    tokenizer = char_tokenizer()
+    target = tiny_llama(len(tokenizer), seed=1, logit_scale=20.0, max_positions=4096)
+    draft = perturbed_copy(target, noise=0.3, seed=11)
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "tokenizer": tokenizer,
+        "target_model": target,
+        "target": str(save_model_folder(target, tokenizer, root / "target")),
+        "draft": str(save_model_folder(draft, tokenizer, root / "draft")),
+    }
+
+
+def reference_text(folders, prompt: str, max_new: int) -> str:
+    tokenizer, model = folders["tokenizer"], folders["target_model"]
+    ids = tokenizer(prompt)["input_ids"]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False)
+    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+def specgen(*args: str, stdin: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "speccli.cli", *args],
+        input=stdin if stdin is not None else b"",
+        capture_output=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        timeout=300,
+    )
+
+
+def model_args(folders) -> list[str]:
+    # float32: greedy equality with the in-memory reference is exact only there.
+    return ["--target", folders["target"], "--draft", folders["draft"], "--dtype", "float32"]
+
+
+def test_piped_output_is_exactly_the_targets_greedy_text(folders):
+    result = specgen("generate", "def fib(n):", *model_args(folders), "--max-new-tokens", "32", "--temperature", "0", "--stats")
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode() == reference_text(folders, "def fib(n):", 32)
+    assert b"\x1b" not in result.stdout
+    stderr = result.stderr.decode()
+    assert "acceptance" in stderr and "tok/s" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_stdin_comes_first_then_the_argument(folders):
+    result = specgen("generate", "world", *model_args(folders), "-n", "16", "-q", stdin=b"hello\n")
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode() == reference_text(folders, "hello\nworld", 16)
+    assert result.stderr == b""
+
+
+def test_json_output(folders):
+    result = specgen("generate", "abc", *model_args(folders), "-n", "20", "--json", "-q", "--k", "3")
+    assert result.returncode == 0, result.stderr.decode()
+    payload = json.loads(result.stdout)
+    assert payload["text"] == reference_text(folders, "abc", 20)
+    assert len(payload["token_ids"]) == 20 == payload["stats"]["new_tokens"]
+    assert [t["id"] for t in payload["tokens"]] == payload["token_ids"]
+    assert {t["provenance"] for t in payload["tokens"]} <= {"accepted", "resampled", "bonus", "target"}
+    assert payload["finish_reason"] == "length"
+    assert payload["settings"]["k"] == 3
+    assert sum(payload["stats"]["provenance"].values()) == 20
+
+
+def test_ctrl_c_keeps_what_was_printed_and_exits_130(folders):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "speccli.cli", "generate", "hello", *model_args(folders), "-n", "100000", "-q", "--draft", "none", "--dtype", "float32"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    first = process.stdout.read(8)  # generation has started
+    process.send_signal(signal.SIGINT)
+    rest, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130
+    assert len(first) == 8
+    assert (first + rest).decode() == reference_text(folders, "hello", 4000)[: len(first + rest)]
+    assert b"interrupted" in stderr and b"Traceback" not in stderr
+
+
+runner = CliRunner()
+
+
+def invoke(args: list[str], stdin: bytes | str = b""):
+    return runner.invoke(app, args, input=stdin)
+
+
+@pytest.mark.parametrize(
+    "args, stdin, message",
+    [
+        (["generate", ""], b"", "error: the prompt is empty"),
+        (["generate"], b"   \n", "error: the prompt is empty"),
+        (["generate", "hi", "--k", "0"], b"", "error: --k must be at least 1, got 0"),
+        (["generate", "hi", "--temperature", "-1"], b"", "error: temperature must be >= 0, got -1.0"),
+        (["generate", "hi", "--top-p", "0"], b"", "error: top_p must be in (0, 1], got 0.0"),
+        (["generate", "hi", "-n", "0"], b"", "error: max_new_tokens must be >= 1, got 0"),
+        (["generate", "hi", "--dtype", "float8"], b"", "error: dtype must be one of auto, float32, bfloat16, float16, got 'float8'"),
+        (["generate"], b"caf\xe9\n", "error: standard input is not valid UTF-8 (byte 3)"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(folders, args, stdin, message):
+    result = invoke(args[:1] + model_args(folders) + args[1:], stdin)
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert result.stderr.splitlines()[0] == message
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_model_is_refused_with_a_hint(folders):
+    result = invoke(["generate", "hi", "--target", "no-such-model-xyz", "--draft", "ngram"])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: ")
+    assert "hint: " in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_folder_is_refused(tmp_path):
+    result = invoke(["generate", "hi", "--target", str(tmp_path / "nope"), "--draft", "ngram"])
+    assert result.exit_code == 2
+    assert str(tmp_path / "nope") in result.stderr
+
+
+def test_ngram_and_plain_drafts_give_the_same_greedy_text(folders):
+    expected = reference_text(folders, "abcabc", 24)
+    for draft in ("ngram", "none"):
+        result = invoke(["generate", "abcabc", "--target", folders["target"], "--draft", draft, "-n", "24", "-q", "--dtype", "float32"])
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout == expected
+
+
+def test_help_explains_the_options():
+    result = invoke(["generate", "--help"])
+    assert result.exit_code == 0
+    for option in ("--target", "--draft", "--k", "--temperature", "--json", "--stats", "ngram"):
+        assert option in result.stdout
