@@ -365,6 +365,43 @@ def _write_bench_report(results, output_format: str, output: Optional[str]) -> N
         sys.stdout.flush()
 
 
+@app.command()
+def models(
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table."),
+) -> None:
+    """List the model aliases, what each resolves to, and whether it is available here
+    without a download (an installed offline package or the local Hugging Face cache)."""
+
+    def body() -> int:
+        import json
+        from dataclasses import asdict
+
+        from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, format_size, list_models
+
+        listings = list_models()
+        if as_json:
+            print(json.dumps([asdict(item) for item in listings], ensure_ascii=False, indent=2))
+            return 0
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="specgen models", title_justify="left")
+        for column in ("alias", "params", "resolves to", "available", "size"):
+            table.add_column(column, no_wrap=column != "resolves to")
+        for item in listings:
+            default = {DEFAULT_TARGET: " (default target)", DEFAULT_DRAFT: " (default draft)"}.get(item.alias, "")
+            table.add_row(item.alias + default, item.params, item.resolves_to, item.availability, format_size(item.size_bytes))
+        console = Console(width=None if sys.stdout.isatty() else 160)
+        console.print(table)
+        console.print(
+            "Also accepted: a Hugging Face hub id (owner/name), a local model folder, a .gguf file,"
+            " and for --draft: `ngram` (prompt lookup) or `none`."
+        )
+        return 0
+
+    _run_guarded(body)
+
+
 def main() -> None:
     app()
 

@@ -7,7 +7,6 @@ import json
 import shutil
 from pathlib import Path
 
-import httpx2
 import pytest
 import torch
 from huggingface_hub import constants as hub_constants
@@ -340,6 +339,7 @@ def test_load_gguf_file(tiny_gguf_file, cache, monkeypatch):
         ("model", str(path.parent), True),
     ]
     assert not any("converting" in m for m in messages)
+    assert calls[1][2]["quantization_config"].dequantize is True  # never kept packed
     assert again.quant == "gguf→bfloat16" and again.dtype is torch.bfloat16
     assert again.tokenizer.get_vocab() == loaded.tokenizer.get_vocab()
     for text in ("abc 123", "ab ab", "zz9"):
@@ -392,6 +392,19 @@ def test_offline_alias_loads_through_resolve(tiny_gguf_file, tmp_path, monkeypat
     assert assembled == ["smollm2-135m"]  # refused before assembling
 
 
+def test_offline_package_error_is_a_model_load_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(offline, "installed_parts", lambda model: [tmp_path / "part"])
+
+    def damaged(model, cache_dir, progress=None):
+        raise offline.OfflineModelError("offline model 'smollm2-135m' failed verification", hint="reinstall: pip ...")
+
+    monkeypatch.setattr(offline, "resolve_offline", damaged)
+    with pytest.raises(ModelLoadError) as info:
+        load_model("smollm2-135m", LoadConfig(device="cpu"), cache_dir=tmp_path)
+    assert str(info.value) == "smollm2-135m: offline model 'smollm2-135m' failed verification"
+    assert info.value.hint == "reinstall: pip ..."
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -438,7 +451,11 @@ def test_hub_tries_the_local_cache_first(cache, monkeypatch):
 
 
 def _http_error(cls, message):
-    response = httpx2.Response(401, request=httpx2.Request("HEAD", "https://huggingface.co/x/y/resolve/main/config.json"))
+    try:  # huggingface_hub 2.x speaks httpx2, 1.x httpx
+        import httpx2 as http
+    except ImportError:
+        import httpx as http
+    response = http.Response(401, request=http.Request("HEAD", "https://huggingface.co/x/y/resolve/main/config.json"))
     return cls(message, response=response)
 
 
@@ -487,6 +504,16 @@ def test_folder_without_tokenizer(folder, tmp_path, cache):
     with pytest.raises(ModelLoadError) as info:
         load_model(str(bare), LoadConfig(device="cpu"), cache_dir=cache)
     assert str(info.value).endswith("no usable tokenizer found")
+
+
+def test_malformed_config(folder, tmp_path, cache):
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError) as info:
+        load_model(str(broken), LoadConfig(device="cpu"), cache_dir=cache)
+    assert str(info.value).startswith(f"cannot load {str(broken)!r} (local folder {broken}): ")
+    assert "\n" not in str(info.value) and "config.json" in info.value.hint
 
 
 def _folder_with_config(folder: Path, target: Path, **changes) -> Path:

@@ -243,8 +243,33 @@ def test_alias_resolves_to_offline_package(fake_offline, tmp_path):
     )
     assert model.description in r.description
     assert fake_offline == [("qwen2.5-coder-1.5b", tmp_path / "cache")]
-    assert messages == ["assembling qwen2.5-coder-1.5b (1.0 KB)...", "assembling qwen2.5-coder-1.5b: 50%",
-                        "assembling qwen2.5-coder-1.5b: 100%"]
+    assert messages == ["assembling qwen2.5-coder-1.5b (1.0 KB)..."]  # the rest came too fast to be worth a line
+
+
+def test_byte_progress_lines():
+    messages = []
+    now = [0.0]
+    report = registry._byte_progress(messages.append, interval=1.0, clock=lambda: now[0])
+    total = 1_117_320_768
+    for done in range(0, total + 1, total // 40):
+        report("assembling qwen2.5-coder-1.5b", done, total)
+        now[0] += 0.3  # 12 s in all
+    report("assembling qwen2.5-coder-1.5b", total, total)
+    report("verifying x", 0, 10)
+    assert messages == [
+        "assembling qwen2.5-coder-1.5b (1.1 GB)...",
+        "assembling qwen2.5-coder-1.5b: 10%",
+        "assembling qwen2.5-coder-1.5b: 20%",
+        "assembling qwen2.5-coder-1.5b: 30%",
+        "assembling qwen2.5-coder-1.5b: 40%",
+        "assembling qwen2.5-coder-1.5b: 50%",
+        "assembling qwen2.5-coder-1.5b: 60%",
+        "assembling qwen2.5-coder-1.5b: 70%",
+        "assembling qwen2.5-coder-1.5b: 80%",
+        "assembling qwen2.5-coder-1.5b: 90%",
+        "assembling qwen2.5-coder-1.5b: 100%",
+        "verifying x (10 B)...",
+    ]
 
 
 def test_alias_default_cache_dir(fake_offline, tmp_path, monkeypatch):

@@ -183,9 +183,13 @@ def auto_cpu_dtype(quant: str = "none") -> torch.dtype:
     torch 2.13, 2 cores with AMX): a bf16 pass over 16 new tokens costs about what a pass
     over 1 does (170-180 ms for Qwen2.5-Coder-1.5B), while float32 grows from 211 to
     564 ms, and a 1536x4096 matmul on an AVX512-BF16 core (no AMX) ran 3-6x faster in bf16.
-    That flat verify cost is what speculative decoding lives on. GGUF files load a little
-    slower in bf16 (float32 is the dequantizer's native output), which is paid once.
-    ``quant`` is not used yet: bitsandbytes on the CPU computes in this dtype too.
+    That flat verify cost is what speculative decoding lives on. GGUF files load about as
+    fast in bf16 as in float32 (SmolLM2-135M: 12 s either way here).
+
+    The price: in bf16 a pass over k+1 tokens rounds differently from k+1 one-token passes
+    (|logit diff| about 0.06 on the tiny test models), so at a near-tie greedy speculative
+    output can differ from the target's own token-by-token ``generate``; in float32 they
+    match exactly. ``quant`` is not used yet: bitsandbytes on the CPU computes in this dtype too.
     """
     del quant
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
@@ -411,6 +415,11 @@ def _explain(exc: BaseException, name: str, resolved: ResolvedModel, quant: str,
         )
     if has(OSError) and hub:
         return ModelLoadError(f"{tried}: {_first_line(str(exc))}", hint="check the model name and your network")
+    if has(OSError) and resolved.kind == "local-folder":  # unreadable or malformed files
+        return ModelLoadError(
+            f"{tried}: {_first_line(str(exc))}",
+            hint="check the folder's config.json, weights and tokenizer files (save_pretrained() writes them all)",
+        )
     return None
 
 
@@ -476,6 +485,15 @@ def _model_kwargs(
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if resolved.gguf_file is not None:
         kwargs["gguf_file"] = resolved.gguf_file
+        try:
+            from transformers import GgufConfig
+        except ImportError:  # transformers without packed-GGUF loading always dequantizes
+            pass
+        else:
+            # Newer transformers can keep GGUF blocks packed when the optional `kernels` package
+            # fetches a matmul kernel from the Hub, computing in float32 whatever the dtype. Ask
+            # for the plain dequantized model instead: the same on every machine, in our dtype.
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)
     if quant in ("4bit", "8bit"):
         from transformers import BitsAndBytesConfig
 

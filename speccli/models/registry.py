@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,19 +187,21 @@ def _resolve_path(path: Path) -> ResolvedModel:
     return ResolvedModel("gguf-file", str(path.parent), path.name, f"GGUF file {path}")
 
 
-def _byte_progress(say: Progress) -> offline.ProgressFn:
-    """Turn offline's (label, done, total) calls into a few lines: the start and every 10%."""
-    shown: dict[str, int] = {}
+def _byte_progress(say: Progress, interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> offline.ProgressFn:
+    """Turn offline's (label, done, total) calls into a few lines: one at the start, then
+    one per 10% step, at most every ``interval`` seconds (a quick job prints one line)."""
+    shown: dict[str, tuple[float, int]] = {}
 
     def report(label: str, done: int, total: int) -> None:
+        now = clock()
         tenth = 10 if total <= 0 else min(10, (10 * done) // total)
-        first = label not in shown
-        if not first and tenth <= shown[label]:
-            return
-        shown[label] = tenth
-        if first:
+        if label not in shown:
+            shown[label] = (now, tenth)
             say(f"{label} ({format_size(total)})...")
-        else:
+            return
+        last_time, last_tenth = shown[label]
+        if tenth > last_tenth and now - last_time >= interval:
+            shown[label] = (now, tenth)
             say(f"{label}: {10 * tenth}%")
 
     return report

@@ -1,0 +1,73 @@
+"""Check, on real models, that specgen's greedy output equals the target's own greedy generate.
+
+    python scripts/verify_greedy.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+        --dtype float32 --max-new-tokens 32 "def fib(n):" "def quicksort(arr):"
+
+Prints one line per prompt and draft length, and exits 1 on any difference. In bfloat16 a
+difference is reported with the target's gap between its top two logits at that position
+(a near-tie is rounding; a clear gap is a bug).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from speccli.config import LoadConfig, SamplingConfig, SpecConfig
+from speccli.engine.events import StepEvent, TokenEvent
+from speccli.pipeline import load_pipeline
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompts", nargs="+")
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--k", default="1,4,8")
+    args = parser.parse_args()
+
+    config = LoadConfig(dtype=args.dtype)
+    pipeline = load_pipeline(args.target, args.draft, config, config, progress=lambda m: print(m, file=sys.stderr))
+    tokenizer, model = pipeline.tokenizer, pipeline.target.model
+    failures = 0
+    for prompt in args.prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
+        plain_seconds = time.perf_counter() - started
+        reference = out[0, len(ids):].tolist()
+        eos = set(pipeline.target.eos_token_ids)
+        cut = next((i for i, t in enumerate(reference) if t in eos), len(reference))
+        reference = reference[:cut]
+        for k in (int(x) for x in args.k.split(",")):
+            started = time.perf_counter()
+            events = list(pipeline.decoder.generate(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=args.max_new_tokens)))
+            seconds = time.perf_counter() - started
+            tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
+            steps = [e for e in events if isinstance(e, StepEvent)]
+            acceptance = sum(s.accepted for s in steps) / max(1, sum(s.drafted for s in steps))
+            same = tokens == reference
+            detail = ""
+            if not same:
+                failures += 1
+                position = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+                with torch.inference_mode():
+                    logits = model(torch.tensor([ids + reference[:position]])).logits[0, -1].float()
+                top2 = torch.topk(logits, 2).values
+                detail = f" first difference at new token {position}; target top-2 logit gap there {float(top2[0] - top2[1]):.4f}"
+            print(
+                f"{'OK  ' if same else 'DIFF'} k={k} {prompt!r}: {len(tokens)} tokens, acceptance {acceptance:.0%},"
+                f" {seconds:.1f} s (target generate {plain_seconds:.1f} s){detail}"
+            )
+    print(repr(tokenizer.decode(reference)))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
