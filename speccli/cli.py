@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -94,6 +95,8 @@ def _stderr_progress(quiet: bool) -> Callable[[str], None]:
     if quiet or not sys.stderr.isatty():
         transformers.logging.disable_progress_bar()
         disable_progress_bars()
+        # transformers' GGUF loader calls tqdm directly; tqdm reads its defaults from TQDM_*.
+        os.environ["TQDM_DISABLE"] = "1"
 
     def progress(message: str) -> None:
         if not quiet:
@@ -249,6 +252,9 @@ def _stream_generation(
         sys.stdout.write("\n")
         sys.stdout.flush()
     if show_stats:
+        models = f"target {pipeline.target.describe()}"
+        models += f"; draft {pipeline.draft.describe()}" if pipeline.draft else f"; drafter {pipeline.drafter_name}"
+        print(models, file=sys.stderr)
         print(stats_summary(figures), file=sys.stderr)
     if interrupted:
         print("interrupted", file=sys.stderr)
@@ -386,11 +392,11 @@ def models(
         from rich.table import Table
 
         table = Table(title="specgen models", title_justify="left")
-        for column in ("alias", "params", "resolves to", "available", "size"):
+        for column in ("alias", "family", "params", "resolves to", "available", "size"):
             table.add_column(column, no_wrap=column != "resolves to")
         for item in listings:
             default = {DEFAULT_TARGET: " (default target)", DEFAULT_DRAFT: " (default draft)"}.get(item.alias, "")
-            table.add_row(item.alias + default, item.params, item.resolves_to, item.availability, format_size(item.size_bytes))
+            table.add_row(item.alias + default, item.family, item.params, item.resolves_to, item.availability, format_size(item.size_bytes))
         console = Console(width=None if sys.stdout.isatty() else 160)
         console.print(table)
         console.print(
