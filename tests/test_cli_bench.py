@@ -69,7 +69,7 @@ def test_table_to_file_and_plot(folders):
     assert result.exit_code == 0, result.stderr
     assert result.stdout == ""
     text = out.read_text(encoding="utf-8")
-    assert "prompts:1" in text and "prompts:3" in text and "all prompts" in text
+    assert "prompts:1" in text and "prompts:4" in text and "all prompts" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
