@@ -87,16 +87,19 @@ class ModelOptions:
 
 def _stderr_progress(quiet: bool) -> Callable[[str], None]:
     """Progress messages on stderr; also quiets the libraries' own logging, and their
-    progress bars unless stderr is a terminal that wants them."""
+    progress bars unless stderr is a terminal that wants them. Call it before importing
+    the engine: tqdm reads TQDM_* from the environment when it is first imported, and
+    transformers' GGUF loader calls tqdm directly."""
+    bars = not quiet and sys.stderr.isatty()
+    if not bars:
+        os.environ["TQDM_DISABLE"] = "1"
     import transformers
     from huggingface_hub.utils import disable_progress_bars
 
     transformers.logging.set_verbosity_error()
-    if quiet or not sys.stderr.isatty():
+    if not bars:
         transformers.logging.disable_progress_bar()
         disable_progress_bars()
-        # transformers' GGUF loader calls tqdm directly; tqdm reads its defaults from TQDM_*.
-        os.environ["TQDM_DISABLE"] = "1"
 
     def progress(message: str) -> None:
         if not quiet:
@@ -193,6 +196,7 @@ def generate(
     )
 
     def body() -> int:
+        progress = _stderr_progress(quiet)
         from speccli.pipeline import encode_prompt, load_pipeline
 
         if k < 1:
@@ -204,9 +208,7 @@ def generate(
             raise UsageError(str(error)) from None
         text = _read_prompt(prompt)
         target_config, draft_config = options.configs()
-        pipeline = load_pipeline(
-            options.target, options.draft, target_config, draft_config, _stderr_progress(quiet)
-        )
+        pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
         try:
             prompt_ids = encode_prompt(pipeline.tokenizer, text, chat, system)
         except ValueError as error:
@@ -302,6 +304,7 @@ def bench(
     def body() -> int:
         from pathlib import Path
 
+        progress = _stderr_progress(quiet)
         from speccli.bench import BenchRunner, BenchSettings, load_prompts, parse_k_list
         from speccli.pipeline import load_pipeline
         from speccli.ui import bench_report
@@ -318,7 +321,6 @@ def bench(
         if options.draft.strip().lower() == "none":
             raise UsageError("bench compares speculative decoding with plain decoding and needs a draft", "use --draft MODEL or --draft ngram")
         target_config, draft_config = options.configs()
-        progress = _stderr_progress(quiet)
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
         runner = BenchRunner(
             pipeline.decoder.target,

@@ -179,7 +179,7 @@ def test_load_local_folder(folder, tok, cache, dtype):
     assert loaded.tokenizer.get_vocab() == tok.get_vocab()
     assert loaded.load_seconds > 0
     assert any(m.startswith(f"loading {folder}") for m in messages)
-    assert loaded.describe().startswith(f"{folder}: local-folder, none, cpu, ")
+    assert loaded.describe().startswith(f"{folder}: local-folder, {dtype} on cpu, loaded in ")
     if dtype == "float32":
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         ids = torch.tensor([encode(tok, "hello")])

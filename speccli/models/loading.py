@@ -101,8 +101,13 @@ class LoadedModel:
         return len(self.tokenizer)
 
     def describe(self) -> str:
-        """One line for status output, e.g. ``smollm2-135m: offline-package, gguf→float32, cpu, 10.8 s``."""
-        return f"{self.name}: {self.resolved.kind}, {self.quant}, {self.device}, {self.load_seconds:.1f} s"
+        """One line for status output, e.g.
+        ``smollm2-135m: offline-package, float32 (gguf→float32) on cpu, loaded in 10.8 s``."""
+        quant = "" if self.quant == "none" else f" ({self.quant})"
+        return (
+            f"{self.name}: {self.resolved.kind}, {dtype_name(self.dtype)}{quant} on {self.device},"
+            f" loaded in {self.load_seconds:.1f} s"
+        )
 
 
 # --------------------------------------------------------------------------- device, dtype, quant

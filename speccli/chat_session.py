@@ -1,0 +1,508 @@
+"""A chat session without any terminal: the conversation, the settings a user may change
+while chatting, per-answer and session statistics, and the session's own measurement of
+plain target decoding that the speed-up is reported against.
+
+The REPL (speccli.ui.chat) reads input and renders events; everything it remembers
+lives here, so it can be tested without a terminal and saved as JSON.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterator, Sequence
+
+from speccli.config import SamplingConfig, SpecConfig
+from speccli.engine.events import Event, TokenEvent
+from speccli.stats import GenerationStats
+
+SAVE_FORMAT = "specgen-chat/1"
+
+DEFAULT_MAX_TOKENS = 512
+# The baseline slice: plain target tokens measured after each finished answer, and the most
+# measured in one session (see PlainBaseline).
+DEFAULT_BASELINE_TOKENS = 8
+DEFAULT_BASELINE_BUDGET = 64
+
+SETTING_NAMES = ("temperature", "top_p", "top_k", "k", "max_tokens", "seed")
+_SETTING_ALIASES = {
+    "temp": "temperature",
+    "max_new_tokens": "max_tokens",
+    "n": "max_tokens",
+}
+
+
+class ChatError(Exception):
+    """Something a user did that the session refuses: one line, shown as it is."""
+
+
+class SettingError(ChatError):
+    """A bad /set name or value."""
+
+
+def _setting_name(raw: str) -> str:
+    name = raw.strip().lower().replace("-", "_")
+    name = _SETTING_ALIASES.get(name, name)
+    if name not in SETTING_NAMES:
+        raise SettingError(f"unknown setting {raw!r}; one of {', '.join(SETTING_NAMES)}")
+    return name
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise SettingError(f"{name} must be a whole number, got {raw!r}") from None
+
+
+def _parse_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingError(f"{name} must be a number, got {raw!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise SettingError(f"{name} must be a finite number, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """What the next answer is generated with. Every instance is valid: the constructor
+    checks what SamplingConfig and SpecConfig check, and k >= 1."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    k: int = 4
+    max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def __post_init__(self) -> None:
+        try:
+            SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed)
+            SpecConfig(k=self.k, max_new_tokens=self.max_tokens)
+        except ValueError as error:
+            raise SettingError(str(error)) from None
+        if self.k < 1:
+            raise SettingError(f"k must be at least 1, got {self.k}")
+
+    def sampling(self, generation: int = 0) -> SamplingConfig:
+        """The sampling config of the session's `generation`-th answer. With a seed, answer
+        n uses seed + n: a session replays exactly, and /regen gives a new sample."""
+        seed = None if self.seed is None else self.seed + generation
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, seed)
+
+    def spec(self) -> SpecConfig:
+        return SpecConfig(k=self.k, max_new_tokens=self.max_tokens)
+
+    def changed(self, name: str, raw: str) -> tuple[str, "ChatSettings"]:
+        """The settings with `name` set from the text `raw`: (canonical name, new settings).
+        Raises SettingError with one line for an unknown name or a bad value."""
+        name = _setting_name(name)
+        raw = raw.strip()
+        if not raw:
+            raise SettingError(f"/set {name} needs a value")
+        value: Any
+        if name in ("temperature", "top_p"):
+            value = _parse_float(name, raw)
+        elif name == "seed":
+            value = None if raw.lower() in ("none", "off", "random") else _parse_int(name, raw)
+        else:
+            value = _parse_int(name, raw)
+        return name, replace(self, **{name: value})
+
+    def describe(self) -> str:
+        mode = "greedy" if self.temperature == 0 else "sampling"
+        return (
+            f"temperature {self.temperature:g} ({mode}), top_p {self.top_p:g}, top_k {self.top_k}"
+            f"{' (off)' if self.top_k == 0 else ''}, k {self.k}, max_tokens {self.max_tokens},"
+            f" seed {'none' if self.seed is None else self.seed}"
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Turn:
+    """One answer the model gave (or began): the question, the text, its figures."""
+
+    user: str
+    answer: str = ""
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    settings: dict = field(default_factory=dict)
+    interrupted: bool = False
+    regenerated: bool = False  # this answer replaced an earlier answer to the same message
+
+    @property
+    def finish_reason(self) -> str:
+        return "interrupted" if self.interrupted else (self.stats.finish_reason or "unknown")
+
+    def as_dict(self) -> dict:
+        return {
+            "user": self.user,
+            "answer": self.answer,
+            "finish_reason": self.finish_reason,
+            "regenerated": self.regenerated,
+            "settings": self.settings,
+            "stats": self.stats.as_dict(),
+        }
+
+
+class PlainBaseline:
+    """The session's own measurement of the target decoding alone.
+
+    How: after an answer finishes, the target decodes `tokens_per_turn` more tokens on its
+    own (no drafter, one target pass per token, end-of-sequence ignored, the text thrown
+    away), continuing from the end of that answer. It shares the target's KV cache, so a
+    slice costs exactly `tokens_per_turn` target passes and no prefill, and it runs at the
+    context length the conversation has reached, so the plain and speculative tokens/s
+    compare like with like. The next turn re-uses the cached conversation as before (the
+    slice's tokens are simply rolled back).
+
+    Why bounded: every slice is time the user waits for the prompt. At most
+    `budget` tokens are measured per session (64 by default: the first 8 finished
+    answers), which is enough to average out the noise of single passes; after that the
+    session costs nothing extra. Interrupted answers are not followed by a slice.
+
+    tokens/s is generated tokens over decode time (prefill excluded), the same definition
+    GenerationStats uses for the speculative answers, so their ratio is the speed-up.
+    """
+
+    def __init__(self, tokens_per_turn: int = DEFAULT_BASELINE_TOKENS, budget: int = DEFAULT_BASELINE_BUDGET) -> None:
+        if tokens_per_turn < 0 or budget < 0:
+            raise ValueError("baseline sizes must be >= 0")
+        self.tokens_per_turn = tokens_per_turn
+        self.budget = budget
+        self.stats = GenerationStats()
+        self.slices = 0
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.budget - self.stats.new_tokens)
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.stats.tokens_per_second
+
+    def method(self) -> str:
+        if self.budget == 0 or self.tokens_per_turn == 0:
+            return "not measured (the baseline is turned off)"
+        return (
+            f"plain target decoding (no drafter) of {self.tokens_per_turn} tokens after each finished"
+            f" answer, up to {self.budget} tokens per session; measured so far: {self.stats.new_tokens}"
+            f" tokens in {self.slices} slice{'s' if self.slices != 1 else ''}"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "method": self.method(),
+            "tokens_per_turn": self.tokens_per_turn,
+            "budget": self.budget,
+            "slices": self.slices,
+            "tokens": self.stats.new_tokens,
+            "decode_seconds": round(self.stats.decode_seconds, 4),
+            "tokens_per_second": None if self.tokens_per_second is None else round(self.tokens_per_second, 3),
+        }
+
+
+@dataclass(frozen=True)
+class SessionReport:
+    """The figures /stats and the end of a session show."""
+
+    answers: int
+    interrupted: int
+    tokens: int
+    steps: int
+    acceptance: float | None
+    acceptance_by_position: list[float]
+    tokens_per_step: float | None
+    predicted_tokens_per_step: float | None
+    mean_draft_length: float | None
+    tokens_per_second: float | None
+    mean_first_token_seconds: float | None
+    baseline_tokens_per_second: float | None
+    baseline_method: str
+    speedup: float | None
+    has_drafter: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rendered_ids(tokenizer, messages: list[dict]) -> list[int]:
+    kwargs = dict(add_generation_prompt=True, tokenize=True)
+    try:
+        # Control tokens a user types (say "<|im_end|>") are encoded as text, not as tokens.
+        ids = tokenizer.apply_chat_template(messages, sanitize_control_tokens=True, **kwargs)
+    except TypeError:
+        ids = tokenizer.apply_chat_template(messages, **kwargs)
+    if hasattr(ids, "keys"):  # a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def encode_conversation(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the whole conversation under the model's chat template, ending with the
+    header of the assistant's next answer. A template that refuses a system message (some
+    do) gets it prepended to the first user message instead."""
+    try:
+        return _rendered_ids(tokenizer, messages)
+    except Exception as error:  # jinja2 TemplateError, or raise_exception() in a template
+        if messages and messages[0]["role"] == "system" and len(messages) > 1:
+            system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
+            first_user = next((m for m in rest if m["role"] == "user"), None)
+            if first_user is not None:
+                first_user["content"] = f"{system}\n\n{first_user['content']}"
+                try:
+                    return _rendered_ids(tokenizer, rest)
+                except Exception:
+                    pass
+        raise ChatError(f"the model's chat template refused the conversation: {error}") from None
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+class ChatSession:
+    """The state of one `specgen chat`.
+
+    `ask(text)` and `regenerate()` check what they can at once (raising ChatError before
+    anything changes) and return an iterator of the decoder's events for the answer. The
+    answer joins the conversation when the iterator ends, also when it ends early: an
+    exception inside it (Ctrl-C) or the caller closing it keeps the text said so far, marked
+    interrupted. An answer interrupted before it said anything is dropped together with
+    its question (a /regen interrupted that early keeps the previous answer).
+    """
+
+    def __init__(
+        self,
+        decoder,
+        settings: ChatSettings | None = None,
+        system: str | None = None,
+        *,
+        baseline_tokens: int = DEFAULT_BASELINE_TOKENS,
+        baseline_budget: int = DEFAULT_BASELINE_BUDGET,
+        model_info: dict | None = None,
+    ) -> None:
+        self.decoder = decoder
+        self.tokenizer = decoder.tokenizer
+        self.settings = settings or ChatSettings()
+        self.system = system or None
+        self.messages: list[dict[str, str]] = []  # the conversation, without the system prompt
+        self.turns: list[Turn] = []  # every answer of the session, also those /clear forgot
+        self.stats = GenerationStats()  # all answers together
+        self.baseline = PlainBaseline(baseline_tokens, baseline_budget)
+        self.model_info = dict(model_info or {})
+        self.started = time.time()
+        self._generations = 0
+        self._busy = False
+
+    # ------------------------------------------------------------------ conversation
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.decoder.drafter is not None
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages the template sees: the system prompt (if any), then the turns."""
+        return self._with_system(self.messages)
+
+    def _with_system(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [dict(m) for m in messages]
+
+    def clear(self) -> None:
+        """Forget the conversation; the system prompt and the statistics stay."""
+        self.messages.clear()
+
+    def set_system(self, text: str) -> None:
+        self.system = text.strip() or None
+
+    def set(self, name: str, raw: str) -> str:
+        """Change one setting from text; returns its canonical name. Raises SettingError."""
+        name, self.settings = self.settings.changed(name, raw)
+        return name
+
+    def prompt_ids(self, messages: list[dict[str, str]] | None = None) -> list[int]:
+        ids = encode_conversation(self.tokenizer, self.conversation() if messages is None else messages)
+        limit = self.decoder.target.max_length
+        if limit is not None and len(ids) >= limit:
+            raise ChatError(
+                f"the conversation is {len(ids)} tokens and the model's context holds {limit};"
+                " /clear starts a new one"
+            )
+        return ids
+
+    # ------------------------------------------------------------------ answering
+
+    def ask(self, text: str) -> Iterator[Event]:
+        """Return the events of the answer to `text`. The message joins the conversation
+        when the iterator starts; nothing changes if it is never started."""
+        if not text.strip():
+            raise ChatError("the message is empty")
+        self._check_idle()
+        user = {"role": "user", "content": text}
+        prompt_ids = self.prompt_ids(self.conversation() + [user])
+        return self._answer(prompt_ids, text, regenerated=False)
+
+    def regenerate(self) -> Iterator[Event]:
+        """Return the events of a new answer to the last user message; the last answer
+        leaves the conversation when the iterator starts."""
+        self._check_idle()
+        messages = self.messages
+        if messages and messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        if not messages or messages[-1]["role"] != "user":
+            raise ChatError("there is no answer to regenerate yet")
+        prompt_ids = self.prompt_ids(self._with_system(messages))
+        return self._answer(prompt_ids, messages[-1]["content"], regenerated=True)
+
+    def _check_idle(self) -> None:
+        if self._busy:
+            raise ChatError("an answer is still being generated")
+
+    def _answer(self, prompt_ids: list[int], user: str, regenerated: bool) -> Iterator[Event]:
+        self._check_idle()
+        self._busy = True
+        previous = None
+        if regenerated:
+            if self.messages and self.messages[-1]["role"] == "assistant":
+                previous = self.messages.pop()
+        else:
+            self.messages.append({"role": "user", "content": user})
+        turn = Turn(user=user, settings=self.settings.as_dict(), regenerated=regenerated)
+        sampling = self.settings.sampling(self._generations)
+        spec = self.settings.spec()
+        self._generations += 1
+        parts: list[str] = []
+        finished = False
+        turn.stats.start()
+        try:
+            for event in self.decoder.generate(prompt_ids, sampling, spec):
+                turn.stats.observe(event)
+                self.stats.observe(event)
+                if isinstance(event, TokenEvent):
+                    parts.append(event.text)
+                yield event
+            finished = True
+        finally:
+            turn.answer = "".join(parts)
+            turn.interrupted = not finished
+            self._settle(turn, previous)
+
+    def _settle(self, turn: Turn, previous: dict | None) -> None:
+        self._busy = False
+        self.turns.append(turn)
+        if turn.answer or not turn.interrupted:
+            self.messages.append({"role": "assistant", "content": turn.answer})
+        elif previous is not None:
+            self.messages.append(previous)  # a /regen stopped before its first word
+        else:
+            self.messages.pop()  # the question goes too: the conversation is as before
+
+    @property
+    def last_turn(self) -> Turn | None:
+        return self.turns[-1] if self.turns else None
+
+    # ------------------------------------------------------------------ baseline
+
+    def wants_baseline(self) -> bool:
+        turn = self.last_turn
+        return (
+            self.has_drafter
+            and self.baseline.tokens_per_turn > 0
+            and self.baseline.remaining > 0
+            and turn is not None
+            and not turn.interrupted
+            and len(self.decoder.target.cached_tokens) > 0
+        )
+
+    def measure_baseline(self) -> int:
+        """Run one baseline slice (see PlainBaseline) if one is due; call it after an
+        answer finished. Returns the tokens measured (0 when none was due). A slice cut
+        short by an exception (Ctrl-C) is not counted; the exception propagates."""
+        if not self.wants_baseline():
+            return 0
+        from speccli.engine.decoder import SpeculativeDecoder
+
+        target = self.decoder.target
+        context = list(target.cached_tokens)
+        tokens = min(self.baseline.tokens_per_turn, self.baseline.remaining)
+        if target.max_length is not None:
+            tokens = min(tokens, target.max_length - len(context) - 1)
+        if tokens < 1:
+            return 0
+        plain = SpeculativeDecoder(target, self.tokenizer, eos_token_ids=(), drafter=None)
+        sampling = self.settings.sampling(0)
+        measured = GenerationStats()
+        for event in plain.generate(context, sampling, SpecConfig(k=0, max_new_tokens=tokens)):
+            measured.observe(event)
+        for name in ("new_tokens", "steps", "draft_seconds", "verify_seconds"):
+            setattr(self.baseline.stats, name, getattr(self.baseline.stats, name) + getattr(measured, name))
+        self.baseline.slices += 1
+        return measured.new_tokens
+
+    # ------------------------------------------------------------------ figures
+
+    def report(self) -> SessionReport:
+        stats = self.stats
+        first = [t.stats.first_token_seconds for t in self.turns if t.stats.first_token_seconds is not None]
+        speculative = stats.tokens_per_second
+        plain = self.baseline.tokens_per_second
+        speedup = speculative / plain if speculative and plain and self.has_drafter else None
+        return SessionReport(
+            answers=len(self.turns),
+            interrupted=sum(t.interrupted for t in self.turns),
+            tokens=stats.new_tokens,
+            steps=stats.steps,
+            acceptance=stats.acceptance_rate,
+            acceptance_by_position=stats.acceptance_by_position,
+            tokens_per_step=stats.tokens_per_step,
+            predicted_tokens_per_step=stats.predicted_tokens_per_step,
+            mean_draft_length=stats.mean_draft_length,
+            tokens_per_second=speculative,
+            mean_first_token_seconds=sum(first) / len(first) if first else None,
+            baseline_tokens_per_second=plain,
+            baseline_method=(
+                self.baseline.method()
+                if self.has_drafter
+                else "none needed: without a drafter every answer is plain target decoding"
+            ),
+            speedup=speedup,
+            has_drafter=self.has_drafter,
+        )
+
+    def as_dict(self) -> dict:
+        """Everything /save writes: the conversation, every answer with its figures, the
+        session's figures, the baseline and how it was measured, and the settings."""
+        report = self.report()
+        return {
+            "format": SAVE_FORMAT,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": self.model_info,
+            "settings": self.settings.as_dict(),
+            "system": self.system,
+            "messages": self.conversation(),
+            "turns": [t.as_dict() for t in self.turns],
+            "stats": {
+                **self.stats.as_dict(),
+                "answers": report.answers,
+                "interrupted_answers": report.interrupted,
+                "mean_time_to_first_token_seconds": None
+                if report.mean_first_token_seconds is None
+                else round(report.mean_first_token_seconds, 4),
+            },
+            "baseline": self.baseline.as_dict() if self.has_drafter else None,
+            "speedup": None if report.speedup is None else round(report.speedup, 3),
+        }
+
+
+def stats_for(events: Sequence[Event]) -> GenerationStats:
+    """Fold a list of events (a helper for tests and renderers)."""
+    stats = GenerationStats()
+    for event in events:
+        stats.observe(event)
+    return stats
