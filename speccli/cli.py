@@ -11,6 +11,7 @@ import typer
 
 from speccli import __version__
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
+from speccli.ui.chat import command_help as _chat_help
 from speccli.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -264,6 +265,47 @@ def _stream_generation(
     return 0
 
 
+@app.command(help=_chat_help())
+def chat(
+    target: str = typer.Option(None, "--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b"),
+    draft: str = typer.Option(None, "--draft", "-d", help=DRAFT_HELP, show_default="qwen2.5-coder-0.5b"),
+    k: int = typer.Option(4, "--k", "-k", help="Tokens drafted per step (>= 1); /set k changes it."),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="Longest answer, in tokens; /set max_tokens changes it."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy: exactly the target's own answers; /set temperature changes it."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the smallest set of tokens with this much mass."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (answer n uses seed + n: a session replays exactly)."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt (/system changes it; /clear keeps it)."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when available), cpu, cuda, cuda:N."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16, float16."),
+    quant: str = typer.Option("auto", "--quant", help="auto (4-bit on CUDA, none on CPU), 4bit, 8bit, none."),
+    draft_device: Optional[str] = typer.Option(None, "--draft-device", help="Device for the draft (default: --device)."),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="dtype for the draft (default: --dtype)."),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="Quantization for the draft (default: --quant)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub to run."),
+    no_color: bool = typer.Option(False, "--no-color", help="No colours (also off when NO_COLOR is set or stdout is not a terminal)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress messages on stderr."),
+) -> None:
+    options = ModelOptions(
+        target or _default_target(), draft or _default_draft(), device, dtype, quant,
+        draft_device, draft_dtype, draft_quant, trust_remote_code,
+    )
+
+    def body() -> int:
+        progress = _stderr_progress(quiet)
+        from speccli.pipeline import load_pipeline
+        from speccli.ui.chat import run_chat
+
+        target_config, draft_config = options.configs()
+        return run_chat(
+            lambda: load_pipeline(options.target, options.draft, target_config, draft_config, progress),
+            k=k, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, system=system, color=False if no_color else None,
+        )
+
+    _run_guarded(body)
+
+
 @app.command()
 def bench(
     prompts: str = typer.Argument(..., help="A .txt file (one prompt per line) or .jsonl ({\"prompt\": ...} or {\"messages\": [...]})."),
@@ -377,8 +419,10 @@ def _write_bench_report(results, output_format: str, output: Optional[str]) -> N
 def models(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table."),
 ) -> None:
-    """List the model aliases, what each resolves to, and whether it is available here
-    without a download (an installed offline package or the local Hugging Face cache)."""
+    """List the model aliases, what each resolves to, and whether each is available offline.
+
+    Available means: an installed offline package, or the local Hugging Face cache.
+    """
 
     def body() -> int:
         import json

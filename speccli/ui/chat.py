@@ -315,7 +315,8 @@ class ChatUI:
         if stripped.startswith("//"):
             message = message.lstrip()[1:]
         elif stripped.startswith("/"):
-            name, _, arg = stripped[1:].partition(" ")
+            words = stripped[1:].split(None, 1)
+            name, arg = (words[0] if words else ""), (words[1] if len(words) > 1 else "")
             command = find_command(name)
             if command is None:
                 self.error(f"unknown command /{name}; /help lists the commands")
@@ -374,12 +375,19 @@ class ChatUI:
 
     def run(self, reader) -> int:
         """The loop. Ctrl-C or Ctrl-D at the prompt (or the end of piped input) ends it
-        with the session report. Returns the exit code (0)."""
+        with the session report; Ctrl-C inside an open multi-line block drops the block.
+        Returns the exit code (0)."""
         collector = MessageCollector()
         while True:
             try:
                 line = reader.read(collector.in_block)
-            except (EOFError, KeyboardInterrupt):
+            except KeyboardInterrupt:
+                if not collector.in_block:
+                    break
+                collector.reset()
+                self.note("multi-line message dropped")
+                continue
+            except EOFError:
                 break
             message = collector.feed(line)
             if message is None:
@@ -406,28 +414,32 @@ def run_chat(
     color: Optional[bool] = None,
     baseline_tokens: int = DEFAULT_BASELINE_TOKENS,
     baseline_budget: int = DEFAULT_BASELINE_BUDGET,
+    warm_up: bool = True,
     stdin: Optional[TextIO] = None,
     stdout: Optional[TextIO] = None,
     stderr: Optional[TextIO] = None,
 ) -> int:
-    """Chat with a loaded pipeline until the user leaves; returns the exit code.
+    """Chat until the user leaves; returns the exit code (0).
 
-    color: None = automatic (a terminal and NO_COLOR unset), False = never (--no-color).
+    pipeline: a loaded speccli.pipeline.Pipeline, or a function of no arguments that loads
+    one; given a function, the settings are checked before the (slow) load.
+    color: None (or True) = automatic: a terminal and NO_COLOR unset; False = never (--no-color).
     Raises UsageError (one line, exit 2) for a bad setting or a model without a chat
     template, before anything is read."""
     stdin = sys.stdin if stdin is None else stdin
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
-    tokenizer = pipeline.tokenizer
-    if not has_chat_template(tokenizer):
-        raise UsageError(
-            f"{pipeline.target.name} has no chat template, so it cannot chat",
-            "use an instruction-tuned (chat) model, or `specgen generate` for plain continuation",
-        )
     try:
         settings = ChatSettings(temperature, top_k, top_p, seed, k, max_new_tokens)
     except SettingError as error:
         raise UsageError(str(error)) from None
+    if callable(pipeline):
+        pipeline = pipeline()
+    if not has_chat_template(pipeline.tokenizer):
+        raise UsageError(
+            f"{pipeline.target.name} has no chat template, so it cannot chat",
+            "use an instruction-tuned (chat) model, or `specgen generate` for plain continuation",
+        )
     model_info = {
         "target": pipeline.target.name,
         "draft": pipeline.draft.name if pipeline.draft is not None else pipeline.drafter_name,
@@ -440,8 +452,8 @@ def run_chat(
         pipeline.decoder, settings, system,
         baseline_tokens=baseline_tokens, baseline_budget=baseline_budget, model_info=model_info,
     )
-    wants_colour = None if color is None or color else False
-    ui = ChatUI(session, stdout, stderr, colour_enabled(stdout, wants_colour), colour_enabled(stderr, wants_colour))
+    off = False if color is False else None
+    ui = ChatUI(session, stdout, stderr, colour_enabled(stdout, off), colour_enabled(stderr, off))
     interactive = _isatty(stdin)
     if interactive:
         reader = TerminalReader(history_path(), None if _isatty(stdout) else stderr)
@@ -450,6 +462,11 @@ def run_chat(
         if hasattr(stdin, "reconfigure"):
             stdin.reconfigure(errors="replace")  # a stray byte must not end a scripted chat
         reader = StreamReader(stdin)
+    if warm_up:
+        try:
+            session.warm_up()
+        except (ChatError, KeyboardInterrupt):
+            pass  # the first answer will say what is wrong, if anything
     return ui.run(reader)
 
 
