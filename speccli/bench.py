@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from speccli.config import SamplingConfig, SpecConfig
+from speccli.config import AUTO_K, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.engine.backends import CausalLM
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import Drafter
@@ -197,20 +197,19 @@ def _json_type(value: Any) -> str:
     return "null"
 
 
-def parse_k_list(value: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4]: draft lengths >= 1, duplicates dropped, order kept."""
-    ks: list[int] = []
+def parse_k_list(value: str) -> list[int | str]:
+    """'1,2,4,auto' -> [1, 2, 4, 'auto']: draft lengths >= 1 or auto, duplicates dropped,
+    order kept."""
+    ks: list[int | str] = []
     for part in value.split(","):
         part = part.strip()
         try:
-            k = int(part)
+            k = parse_draft_length(part)
         except ValueError:
-            k = -1
-        if k < 1:
             raise BenchInputError(
                 f"bad draft length {part!r} in --k {value!r}",
-                "give whole numbers >= 1 separated by commas, e.g. --k 1,2,4",
-            )
+                "give whole numbers >= 1 or auto separated by commas, e.g. --k 1,2,4,auto",
+            ) from None
         if k not in ks:
             ks.append(k)
     return ks
@@ -252,7 +251,7 @@ class BenchSettings:
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_new_tokens: int = 128
-    ks: tuple[int, ...] = (4,)
+    ks: tuple[int | str, ...] = (4,)
     repeat: int = 1
     warmup: bool = True
     chat: bool = False
@@ -262,13 +261,13 @@ class BenchSettings:
     def __post_init__(self) -> None:
         if not self.ks:
             raise ValueError("give at least one draft length k")
-        if any(k < 1 for k in self.ks):
-            raise ValueError(f"draft lengths must be >= 1, got {list(self.ks)}")
+        if any(k != AUTO_K and (not isinstance(k, int) or k < 1) for k in self.ks):
+            raise ValueError(f"draft lengths must be >= 1 or {AUTO_K!r}, got {list(self.ks)}")
         if self.repeat < 1:
             raise ValueError(f"repeat must be >= 1, got {self.repeat}")
         SpecConfig(k=1, max_new_tokens=self.max_new_tokens, stop_strings=self.stop_strings)
 
-    def spec_config(self, k: int) -> SpecConfig:
+    def spec_config(self, k: int | str) -> SpecConfig:
         return SpecConfig(k=k, max_new_tokens=self.max_new_tokens, stop_strings=self.stop_strings)
 
     def sampling_for(self, repeat: int) -> SamplingConfig:
@@ -344,7 +343,7 @@ class BenchRow:
 
     prompt: str
     category: str | None
-    k: int
+    k: int | str
     repeat: int
     prompt_tokens: int
     plain_first: bool
@@ -464,7 +463,7 @@ class BenchSummary:
 
     prompt: str | None
     category: str | None
-    k: int | None
+    k: int | str | None
     rows: int
     completed: int
     failures: int  # rows where a run raised
@@ -474,7 +473,7 @@ class BenchSummary:
     spec: GenerationStats
 
     @classmethod
-    def of(cls, rows: Sequence[BenchRow], prompt: str | None, category: str | None, k: int | None) -> BenchSummary:
+    def of(cls, rows: Sequence[BenchRow], prompt: str | None, category: str | None, k: int | str | None) -> BenchSummary:
         done = [r for r in rows if r.completed]
         speedups = [r.speedup for r in done if r.speedup is not None]
         return cls(
@@ -617,7 +616,7 @@ class BenchProgress:
     row_index: int
     total: int
     prompt: str
-    k: int
+    k: int | str
     repeat: int
     row: BenchRow | None = None
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
-from speccli.config import SamplingConfig, SpecConfig
+from speccli.config import AUTO_K, SamplingConfig, SpecConfig
 from speccli.engine.events import Event, TokenEvent
 from speccli.stats import GenerationStats
 
@@ -74,7 +74,7 @@ class ChatSettings:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    k: int = 4
+    k: int | str = 4  # or "auto"
     max_tokens: int = DEFAULT_MAX_TOKENS
 
     def __post_init__(self) -> None:
@@ -83,7 +83,7 @@ class ChatSettings:
             SpecConfig(k=self.k, max_new_tokens=self.max_tokens)
         except ValueError as error:
             raise SettingError(str(error)) from None
-        if self.k < 1:
+        if isinstance(self.k, int) and self.k < 1:
             raise SettingError(f"k must be at least 1, got {self.k}")
 
     def sampling(self, generation: int = 0) -> SamplingConfig:
@@ -107,6 +107,8 @@ class ChatSettings:
             value = _parse_float(name, raw)
         elif name == "seed":
             value = None if raw.lower() in ("none", "off", "random") else _parse_int(name, raw)
+        elif name == "k" and raw.lower() == AUTO_K:
+            value = AUTO_K
         else:
             value = _parse_int(name, raw)
         return name, replace(self, **{name: value})
@@ -420,6 +422,8 @@ class ChatSession:
         ids = self.prompt_ids(self.conversation() + [{"role": "user", "content": "Hi"}])
         greedy = SamplingConfig()
         k = self.settings.k if self.has_drafter else 0
+        if not isinstance(k, int):
+            k = 4  # the adaptive policy's first step drafts this many
         for _ in self.decoder.generate(ids, greedy, SpecConfig(k=k, max_new_tokens=k + 1)):
             pass
         if self.has_drafter:

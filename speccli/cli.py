@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import typer
 
 from speccli import __version__
-from speccli.config import LoadConfig, SamplingConfig, SpecConfig
+from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.ui.chat import command_help as _chat_help
 from speccli.errors import (
     EXIT_FAILURE,
@@ -167,7 +167,7 @@ def generate(
     prompt: Optional[str] = typer.Argument(None, help="The prompt. Piped stdin, if any, comes first."),
     target: str = typer.Option(None, "--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b"),
     draft: str = typer.Option(None, "--draft", "-d", help=DRAFT_HELP, show_default="qwen2.5-coder-0.5b"),
-    k: int = typer.Option(4, "--k", "-k", help="Tokens drafted per step (>= 1)."),
+    k: str = typer.Option("4", "--k", "-k", help="Tokens drafted per step (>= 1), or auto: each step picks the k that maximises expected tokens/s from the acceptance and costs measured so far."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy: exactly the target's own greedy output."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: off)."),
@@ -200,11 +200,13 @@ def generate(
         progress = _stderr_progress(quiet)
         from speccli.pipeline import encode_prompt, load_pipeline
 
-        if k < 1:
-            raise UsageError(f"--k must be at least 1, got {k}", "use --draft none for plain target decoding")
+        try:
+            draft_length = parse_draft_length(k)
+        except ValueError as error:
+            raise UsageError(f"--{error}", "use --draft none for plain target decoding") from None
         try:
             sampling = SamplingConfig(temperature, top_k, top_p, seed)
-            spec = SpecConfig(k=k, max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
+            spec = SpecConfig(k=draft_length, max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
         except ValueError as error:
             raise UsageError(str(error)) from None
         text = _read_prompt(prompt)
@@ -269,7 +271,7 @@ def _stream_generation(
 def chat(
     target: str = typer.Option(None, "--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b"),
     draft: str = typer.Option(None, "--draft", "-d", help=DRAFT_HELP, show_default="qwen2.5-coder-0.5b"),
-    k: int = typer.Option(4, "--k", "-k", help="Tokens drafted per step (>= 1); /set k changes it."),
+    k: str = typer.Option("4", "--k", "-k", help="Tokens drafted per step (>= 1) or auto; /set k changes it."),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="Longest answer, in tokens; /set max_tokens changes it."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy: exactly the target's own answers; /set temperature changes it."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: off)."),
@@ -297,9 +299,13 @@ def chat(
         from speccli.ui.chat import run_chat
 
         target_config, draft_config = options.configs()
+        try:
+            draft_length = parse_draft_length(k)
+        except ValueError as error:
+            raise UsageError(f"--{error}") from None
         return run_chat(
             lambda: load_pipeline(options.target, options.draft, target_config, draft_config, progress),
-            k=k, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            k=draft_length, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, system=system, color=False if no_color else None,
         )
 
@@ -311,7 +317,7 @@ def bench(
     prompts: str = typer.Argument(..., help="A .txt file (one prompt per line) or .jsonl ({\"prompt\": ...} or {\"messages\": [...]})."),
     target: str = typer.Option(None, "--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b"),
     draft: str = typer.Option(None, "--draft", "-d", help=DRAFT_HELP.replace(", or `none` for plain target decoding", ""), show_default="qwen2.5-coder-0.5b"),
-    k: str = typer.Option("4", "--k", "-k", help="Draft length, or a comma-separated sweep such as 1,2,4,8."),
+    k: str = typer.Option("4", "--k", "-k", help="Draft length, or a comma-separated sweep such as 1,2,4,8,auto (auto: the adaptive policy)."),
     repeat: int = typer.Option(1, "--repeat", "-r", help="Run every prompt this many times; mean and spread are reported."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="New tokens per run."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 (the default) is greedy, and outputs are checked to be identical."),

@@ -31,17 +31,44 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+AUTO_K = "auto"
+
+
+def parse_draft_length(text: str) -> int | str:
+    """'auto' or a whole number >= 1 (the --k option and /set k)."""
+    value = text.strip().lower()
+    if value == AUTO_K:
+        return AUTO_K
+    try:
+        k = int(value)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ValueError(f"k must be a whole number >= 1 or auto, got {text!r}")
+    return k
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    """What one generation may do: how many tokens to draft, when to stop."""
+    """What one generation may do: how many tokens to draft, when to stop.
 
-    k: int = 4
+    k is a fixed draft length, or "auto": each step picks the k (0 .. max_k) that
+    maximises expected tokens per second from the acceptance and costs measured so far.
+    """
+
+    k: int | str = 4
     max_new_tokens: int = 256
     stop_strings: tuple[str, ...] = field(default_factory=tuple)
+    max_k: int = 8
 
     def __post_init__(self) -> None:
-        if self.k < 0:
+        if isinstance(self.k, str):
+            if self.k != AUTO_K:
+                raise ValueError(f"k (draft length) must be a number or {AUTO_K!r}, got {self.k!r}")
+        elif self.k < 0:
             raise ValueError(f"k (draft length) must be >= 0, got {self.k}")
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop_strings):

@@ -113,7 +113,8 @@ def invoke(args: list[str], stdin: bytes | str = b""):
     [
         (["generate", ""], b"", "error: the prompt is empty"),
         (["generate"], b"   \n", "error: the prompt is empty"),
-        (["generate", "hi", "--k", "0"], b"", "error: --k must be at least 1, got 0"),
+        (["generate", "hi", "--k", "0"], b"", "error: --k must be a whole number >= 1 or auto, got '0'"),
+        (["generate", "hi", "--k", "many"], b"", "error: --k must be a whole number >= 1 or auto, got 'many'"),
         (["generate", "hi", "--temperature", "-1"], b"", "error: temperature must be >= 0, got -1.0"),
         (["generate", "hi", "--top-p", "0"], b"", "error: top_p must be in (0, 1], got 0.0"),
         (["generate", "hi", "-n", "0"], b"", "error: max_new_tokens must be >= 1, got 0"),

@@ -62,7 +62,7 @@ def references(pairs, tokenizer):
     }
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, 4, 8, "auto"])
 @pytest.mark.parametrize("pair_index", [0, 1])
 def test_model_draft_equals_target_greedy(pairs, tokenizer, references, pair_index, k):
     pair = pairs[pair_index]
@@ -81,7 +81,7 @@ def test_model_draft_equals_target_greedy(pairs, tokenizer, references, pair_ind
     assert drafted > 0
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, 4, 8, "auto"])
 @pytest.mark.parametrize("pair_index", [0, 1])
 def test_prompt_lookup_equals_target_greedy(pairs, tokenizer, references, pair_index, k):
     pair = pairs[pair_index]

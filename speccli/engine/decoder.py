@@ -23,7 +23,7 @@ from speccli.engine.events import (
     Provenance,
     StepEvent,
 )
-from speccli.engine.policy import DraftLengthPolicy, FixedDraftLength
+from speccli.engine.policy import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
 from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
 from speccli.engine.text import Detokenizer, OutputText
 
@@ -60,6 +60,9 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.drafter = drafter
+        # Kept across generations: what it learned about this machine's costs and the
+        # draft's acceptance carries over from one prompt (or chat turn) to the next.
+        self._adaptive: AdaptiveDraftLength | None = None
 
     def generate(
         self,
@@ -70,7 +73,7 @@ class SpeculativeDecoder:
     ) -> Iterator[Event]:
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
-        policy = policy or FixedDraftLength(spec.k if self.drafter else 0)
+        policy = policy or self._policy_for(spec)
         started = time.perf_counter()
         context = list(prompt_ids)
         reused = self._prefill(context)
@@ -102,7 +105,14 @@ class SpeculativeDecoder:
             verified = time.perf_counter()
 
             step += 1
-            policy.observe(len(draft), verdict.accepted)
+            step_event = StepEvent(
+                step=step,
+                drafted=len(draft),
+                accepted=verdict.accepted,
+                draft_seconds=verify_started - draft_started,
+                verify_seconds=verified - verify_started,
+            )
+            policy.observe(step_event)
             new_tokens = draft.tokens[: verdict.accepted] + [verdict.next_token]
             context.extend(new_tokens)
 
@@ -120,13 +130,7 @@ class SpeculativeDecoder:
                 if emitted >= spec.max_new_tokens:
                     finish = FinishReason.LENGTH
                     break
-            yield StepEvent(
-                step=step,
-                drafted=len(draft),
-                accepted=verdict.accepted,
-                draft_seconds=verify_started - draft_started,
-                verify_seconds=verified - verify_started,
-            )
+            yield step_event
             if finish is None and max_length is not None and len(context) >= max_length:
                 finish = FinishReason.CONTEXT
             if finish is not None:
@@ -139,6 +143,15 @@ class SpeculativeDecoder:
                     stop_string=output.stopped_by,
                 )
                 return
+
+    def _policy_for(self, spec: SpecConfig) -> DraftLengthPolicy:
+        if self.drafter is None:
+            return FixedDraftLength(0)
+        if isinstance(spec.k, int):
+            return FixedDraftLength(spec.k)
+        if self._adaptive is None or self._adaptive.max_k != spec.max_k:
+            self._adaptive = AdaptiveDraftLength(max_k=spec.max_k)
+        return self._adaptive
 
     def _prefill(self, context: list[int]) -> int:
         """Bring all but the last prompt token into the target's cache, reusing what a
