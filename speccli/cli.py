@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -162,30 +162,45 @@ TARGET_HELP = "Target model: an alias (see `specgen models`), a Hugging Face hub
 DRAFT_HELP = "Draft model (same forms as --target), `ngram` for prompt lookup (no draft model), or `none` for plain target decoding."
 
 
+
+# Options shared by generate, chat and bench: declared once.
+TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b")]
+DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help=DRAFT_HELP, show_default="qwen2.5-coder-0.5b")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0: off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Sample among the smallest set of tokens with this much mass.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu, cuda, cuda:N.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16, float16.")]
+QuantOpt = Annotated[str, typer.Option("--quant", help="auto (4-bit on CUDA, none on CPU), 4bit, 8bit, none.")]
+DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="Device for the draft (default: --device).")]
+DraftDtypeOpt = Annotated[Optional[str], typer.Option("--draft-dtype", help="dtype for the draft (default: --dtype).")]
+DraftQuantOpt = Annotated[Optional[str], typer.Option("--draft-quant", help="Quantization for the draft (default: --quant).")]
+TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
+
 @app.command()
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="The prompt. Piped stdin, if any, comes first."),
-    target: str = typer.Option(None, "--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b"),
-    draft: str = typer.Option(None, "--draft", "-d", help=DRAFT_HELP, show_default="qwen2.5-coder-0.5b"),
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
     k: str = typer.Option("4", "--k", "-k", help="Tokens drafted per step (>= 1), or auto: each step picks the k that maximises expected tokens/s from the acceptance and costs measured so far."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy: exactly the target's own greedy output."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the smallest set of tokens with this much mass."),
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (repeatable output)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop when this text appears (repeatable); it is not printed."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (with --chat)."),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA when available), cpu, cuda, cuda:N."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16, float16."),
-    quant: str = typer.Option("auto", "--quant", help="auto (4-bit on CUDA, none on CPU), 4bit, 8bit, none."),
-    draft_device: Optional[str] = typer.Option(None, "--draft-device", help="Device for the draft (default: --device)."),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="dtype for the draft (default: --dtype)."),
-    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="Quantization for the draft (default: --quant)."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub to run."),
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    quant: QuantOpt = "auto",
+    draft_device: DraftDeviceOpt = None,
+    draft_dtype: DraftDtypeOpt = None,
+    draft_quant: DraftQuantOpt = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, provenance, statistics) instead of the text."),
     stats: bool = typer.Option(False, "--stats", help="Print statistics to stderr when done."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress messages on stderr."),
+    quiet: QuietOpt = False,
 ) -> None:
     """Generate a continuation of PROMPT and write only the text to stdout.
 
@@ -269,24 +284,24 @@ def _stream_generation(
 
 @app.command(help=_chat_help())
 def chat(
-    target: str = typer.Option(None, "--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b"),
-    draft: str = typer.Option(None, "--draft", "-d", help=DRAFT_HELP, show_default="qwen2.5-coder-0.5b"),
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
     k: str = typer.Option("4", "--k", "-k", help="Tokens drafted per step (>= 1) or auto; /set k changes it."),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="Longest answer, in tokens; /set max_tokens changes it."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy: exactly the target's own answers; /set temperature changes it."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the smallest set of tokens with this much mass."),
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (answer n uses seed + n: a session replays exactly)."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (/system changes it; /clear keeps it)."),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA when available), cpu, cuda, cuda:N."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16, float16."),
-    quant: str = typer.Option("auto", "--quant", help="auto (4-bit on CUDA, none on CPU), 4bit, 8bit, none."),
-    draft_device: Optional[str] = typer.Option(None, "--draft-device", help="Device for the draft (default: --device)."),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="dtype for the draft (default: --dtype)."),
-    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="Quantization for the draft (default: --quant)."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub to run."),
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    quant: QuantOpt = "auto",
+    draft_device: DraftDeviceOpt = None,
+    draft_dtype: DraftDtypeOpt = None,
+    draft_quant: DraftQuantOpt = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     no_color: bool = typer.Option(False, "--no-color", help="No colours (also off when NO_COLOR is set or stdout is not a terminal)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress messages on stderr."),
+    quiet: QuietOpt = False,
 ) -> None:
     options = ModelOptions(
         target or _default_target(), draft or _default_draft(), device, dtype, quant,
@@ -315,28 +330,28 @@ def chat(
 @app.command()
 def bench(
     prompts: str = typer.Argument(..., help="A .txt file (one prompt per line) or .jsonl ({\"prompt\": ...} or {\"messages\": [...]})."),
-    target: str = typer.Option(None, "--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b"),
+    target: TargetOpt = None,
     draft: str = typer.Option(None, "--draft", "-d", help=DRAFT_HELP.replace(", or `none` for plain target decoding", ""), show_default="qwen2.5-coder-0.5b"),
     k: str = typer.Option("4", "--k", "-k", help="Draft length, or a comma-separated sweep such as 1,2,4,8,auto (auto: the adaptive policy)."),
     repeat: int = typer.Option(1, "--repeat", "-r", help="Run every prompt this many times; mean and spread are reported."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="New tokens per run."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 (the default) is greedy, and outputs are checked to be identical."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the smallest set of tokens with this much mass."),
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling; repeat r uses seed + r."),
     chat: bool = typer.Option(False, "--chat", help="Wrap .txt prompts in the chat template (.jsonl messages always are)."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for chat prompts."),
     output_format: str = typer.Option("table", "--format", "-f", help="table, json, csv or md."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report to this file instead of stdout."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of speed-up and acceptance per prompt and per k."),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA when available), cpu, cuda, cuda:N."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16, float16."),
-    quant: str = typer.Option("auto", "--quant", help="auto (4-bit on CUDA, none on CPU), 4bit, 8bit, none."),
-    draft_device: Optional[str] = typer.Option(None, "--draft-device", help="Device for the draft (default: --device)."),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="dtype for the draft (default: --dtype)."),
-    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="Quantization for the draft (default: --quant)."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub to run."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    quant: QuantOpt = "auto",
+    draft_device: DraftDeviceOpt = None,
+    draft_dtype: DraftDtypeOpt = None,
+    draft_quant: DraftQuantOpt = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Run each prompt through plain target decoding and speculative decoding, side by side.
 
