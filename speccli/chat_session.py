@@ -74,7 +74,7 @@ class ChatSettings:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    k: int | str = 4  # or "auto"
+    k: int | str = AUTO_K
     max_tokens: int = DEFAULT_MAX_TOKENS
 
     def __post_init__(self) -> None:

@@ -404,7 +404,7 @@ class ChatUI:
 def run_chat(
     pipeline,
     *,
-    k: int = 4,
+    k: int | str = "auto",
     max_new_tokens: int = DEFAULT_MAX_TOKENS,
     temperature: float = 0.0,
     top_k: int = 0,
