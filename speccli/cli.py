@@ -385,13 +385,14 @@ def bench(
             raise UsageError("bench compares speculative decoding with plain decoding and needs a draft", "use --draft MODEL or --draft ngram")
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
+        bench_progress = _BenchProgressDisplay(progress, bar=not quiet and sys.stderr.isatty())
         runner = BenchRunner(
             pipeline.decoder.target,
             pipeline.tokenizer,
             pipeline.target.eos_token_ids,
             lambda: pipeline.decoder.drafter,
             settings,
-            progress=lambda state: progress(state.describe()),
+            progress=bench_progress.update,
             metadata={
                 "target": pipeline.target.name,
                 "draft": pipeline.draft.name if pipeline.draft else pipeline.drafter_name,
@@ -403,7 +404,8 @@ def bench(
         )
         interrupted = False
         try:
-            results = runner.run(prompt_set)
+            with bench_progress:
+                results = runner.run(prompt_set)
         except KeyboardInterrupt:
             interrupted = True
             results = runner.results(complete=False)
@@ -419,6 +421,40 @@ def bench(
         return EXIT_FAILURE if results.errors else 0
 
     _run_guarded(body)
+
+
+class _BenchProgressDisplay:
+    """A progress bar on stderr when it is a terminal; otherwise one line per event."""
+
+    def __init__(self, say: Callable[[str], None], bar: bool) -> None:
+        self.say = say
+        self.bar = None
+        if bar:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=Console(stderr=True), transient=True,
+            )
+            self.task = self.bar.add_task("bench", total=None)
+
+    def __enter__(self) -> "_BenchProgressDisplay":
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, state) -> None:
+        if self.bar is None:
+            self.say(state.describe())
+            return
+        self.bar.update(self.task, total=state.total or None, completed=state.completed, description=state.describe())
+        if state.phase == "done":
+            self.bar.console.print(state.describe(), highlight=False)
 
 
 def _write_bench_report(results, output_format: str, output: Optional[str]) -> None:
