@@ -10,8 +10,8 @@ How a measurement is made fair:
   and SpecConfig (k, max_new_tokens, stop strings). The speed-up of a row is the ratio of
   the two tokens/s figures measured side by side.
 - Both runs start cold: the target's cache and the drafter's state are emptied first, so
-  neither run reuses the other's prefill. A draft model's own prefill of the prompt
-  happens during its first proposal and counts as draft time, as it does in real use.
+  neither run reuses the other's prefill. A draft model's own prefill of the prompt is
+  part of the speculative run's prefill time (tokens/s leaves prefill out for both).
 - Which of the two runs goes first alternates from row to row, so drift (clock boost,
   thermal throttling, other load) does not favour one method.
 - Short unrecorded warm-up runs come first (lazy initialisation, allocator growth, and

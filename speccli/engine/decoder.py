@@ -77,11 +77,11 @@ class SpeculativeDecoder:
         started = time.perf_counter()
         context = list(prompt_ids)
         reused = self._prefill(context)
+        if self.drafter is not None:
+            self.drafter.start(context)
         yield PrefillEvent(len(context), reused, time.perf_counter() - started)
 
         generator = _make_generator(self.target.device, sampling.seed)
-        if self.drafter is not None:
-            self.drafter.start(context)
         output = OutputText(self.tokenizer, context, spec.stop_strings)
         max_length = self.target.max_length
         emitted = 0

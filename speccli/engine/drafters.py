@@ -74,7 +74,13 @@ class ModelDrafter:
         self.target_vocab_size = target_vocab_size
 
     def start(self, context: Sequence[int]) -> None:
-        self.model.rollback(common_prefix_length(self.model.cached_tokens, context))
+        """Reuse what the cache shares with the context and prefill the rest but the last
+        token, so that the prompt's cost is not counted as drafting."""
+        settled = context[:-1]
+        reused = common_prefix_length(self.model.cached_tokens, settled)
+        self.model.rollback(reused)
+        if reused < len(settled):
+            self.model.forward(settled[reused:], all_logits=False)
 
     def propose(
         self,

@@ -49,15 +49,23 @@ class StepCosts:
     smoothing: float = 0.3
     verify: dict[int, float] = field(default_factory=dict)
     draft_per_token: float | None = None
+    _counts: dict[object, int] = field(default_factory=dict, repr=False)
 
     def observe(self, step: StepEvent) -> None:
         fed = step.drafted + 1
-        self.verify[fed] = self._blend(self.verify.get(fed), step.verify_seconds)
+        self.verify[fed] = self._blend(fed, self.verify.get(fed), step.verify_seconds)
         if step.drafted:
-            self.draft_per_token = self._blend(self.draft_per_token, step.draft_seconds / step.drafted)
+            self.draft_per_token = self._blend(
+                "draft", self.draft_per_token, step.draft_seconds / step.drafted
+            )
 
-    def _blend(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+    def _blend(self, key: object, old: float | None, new: float) -> float:
+        # A plain mean of the first few measurements, then an exponential moving average:
+        # one odd first measurement must not linger.
+        count = self._counts.get(key, 0) + 1
+        self._counts[key] = count
+        weight = max(self.smoothing, 1.0 / count)
+        return new if old is None else (1 - weight) * old + weight * new
 
     def verify_seconds(self, fed: int) -> float | None:
         """Measured, else an optimistic guess, so that an untried size that could pay is
