@@ -500,7 +500,7 @@ def models(
         for item in listings:
             default = {DEFAULT_TARGET: " (default target)", DEFAULT_DRAFT: " (default draft)"}.get(item.alias, "")
             table.add_row(item.alias + default, item.family, item.params, item.resolves_to, item.availability, format_size(item.size_bytes))
-        console = Console(width=None if sys.stdout.isatty() else 160)
+        console = Console(width=None if sys.stdout.isatty() else 200)
         console.print(table)
         console.print(
             "Also accepted: a Hugging Face hub id (owner/name), a local model folder, a .gguf file,"
