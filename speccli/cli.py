@@ -231,6 +231,12 @@ def generate(
             prompt_ids = encode_prompt(pipeline.tokenizer, text, chat, system)
         except ValueError as error:
             raise UsageError(str(error)) from None
+        context = pipeline.decoder.target.max_length
+        if context is not None and len(prompt_ids) >= context:
+            raise UsageError(
+                f"the prompt is {len(prompt_ids)} tokens long and {options.target}'s context holds {context}",
+                "shorten the prompt",
+            )
         return _stream_generation(pipeline, prompt_ids, sampling, spec, as_json, stats)
 
     _run_guarded(body)

@@ -180,6 +180,15 @@ def test_context_window_full_stops_generation(tokenizer):
     assert 10 + finish.new_tokens == 17  # positions 0..15 scored, the 17th token predicted from the 16th
 
 
+def test_a_prompt_that_fills_the_context_is_refused(tokenizer):
+    from conftest import tiny_llama
+
+    model = tiny_llama(len(tokenizer), seed=3, max_positions=16)
+    decoder = SpeculativeDecoder(wrap(model), tokenizer, [])
+    with pytest.raises(ValueError, match="the prompt is 16 tokens long and the model's context holds 16"):
+        run(decoder, tokenizer, "0123456789abcdef")
+
+
 def test_prompt_lookup_drafts_the_continuation_of_the_latest_longest_match():
     drafter = PromptLookupDrafter(max_ngram=3)
     context = [7, 1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 0, 2, 3]

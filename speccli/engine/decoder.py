@@ -73,6 +73,11 @@ class SpeculativeDecoder:
     ) -> Iterator[Event]:
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
+        max_length = self.target.max_length
+        if max_length is not None and len(prompt_ids) >= max_length:
+            raise ValueError(
+                f"the prompt is {len(prompt_ids)} tokens long and the model's context holds {max_length}"
+            )
         policy = policy or self._policy_for(spec)
         started = time.perf_counter()
         context = list(prompt_ids)
@@ -83,7 +88,6 @@ class SpeculativeDecoder:
 
         generator = _make_generator(self.target.device, sampling.seed)
         output = OutputText(self.tokenizer, context, spec.stop_strings)
-        max_length = self.target.max_length
         emitted = 0
         step = 0
         while True:
