@@ -154,7 +154,7 @@ def test_ngram_and_plain_drafts_give_the_same_greedy_text(folders):
 
 
 def test_a_prompt_longer_than_the_context_is_bad_input(folders):
-    result = invoke(["generate", "x" * 5000] + model_args(folders))
+    result = invoke(["generate", "x" * 5000, "-q"] + model_args(folders))
     assert result.exit_code == 2
     assert result.stderr.startswith(f"error: the prompt is 5000 tokens long and {folders['target']}'s context holds 4096")
     assert "hint: shorten the prompt" in result.stderr

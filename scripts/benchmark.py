@@ -1,0 +1,275 @@
+"""Compare specgen with transformers' own generation methods on real models, greedy.
+
+    python scripts/benchmark.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+        --dtypes float32,bfloat16 --limit 12 --max-new-tokens 128 --json-out bench.json
+
+One process, one machine. For each dtype the target and draft are loaded once; then, for
+each prompt, these methods run one after another on the same prompt ids (interleaved per
+prompt, so slow drift of the machine hits every method alike):
+
+  hf-plain          target.generate(ids, do_sample=False)
+  hf-assisted       target.generate(..., assistant_model=draft)
+  hf-prompt-lookup  target.generate(..., prompt_lookup_num_tokens=10)
+  specgen-draft     specgen's SpeculativeDecoder with the draft model (k from --k, default auto)
+  specgen-ngram     specgen's SpeculativeDecoder with PromptLookupDrafter
+
+Tokens/s is new tokens / wall time of the whole call, prefill included, for every method
+(specgen's caches are emptied before each run, so it prefills the whole prompt as
+transformers does). Every method's tokens are checked against hf-plain's: in float32 any
+difference is an error (exit 1); in bfloat16 each divergence is reported with its position
+and the target's gap between its top two logits there (a near-tie is rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from speccli.bench import encode_bench_prompt, load_prompts
+from speccli.config import LoadConfig, SamplingConfig, SpecConfig
+from speccli.engine.backends import HFCausalLM
+from speccli.engine.decoder import SpeculativeDecoder
+from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
+from speccli.engine.events import StepEvent, TokenEvent
+from speccli.models.compat import check_tokenizers_compatible
+from speccli.models.loading import load_model
+
+METHODS = ("hf-plain", "hf-assisted", "hf-prompt-lookup", "specgen-draft", "specgen-ngram")
+WARMUP_TOKENS = 8
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "default.jsonl"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def strip_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """specgen emits no end-of-sequence token; transformers keeps it. Compare without it."""
+    cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:cut]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+class Bench:
+    def __init__(self, target, draft, k: int | str) -> None:
+        self.target = target
+        self.draft = draft
+        self.model = target.model
+        self.eos = list(target.eos_token_ids)
+        self.eos_set = set(self.eos)
+        self.k = k
+        pad = target.tokenizer.pad_token_id
+        self.pad = pad if pad is not None else self.eos[0]
+        target_lm = HFCausalLM(target.model)
+        self.target_lm = target_lm
+        # One decoder per drafter, reused across prompts as a session would (the auto-k
+        # policy keeps what it has learnt); caches are emptied before each timed run.
+        self.draft_drafter = ModelDrafter(HFCausalLM(draft.model), target_lm.vocab_size)
+        self.ngram_drafter = PromptLookupDrafter()
+        self.decoders = {
+            "specgen-draft": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos, self.draft_drafter), self.draft_drafter),
+            "specgen-ngram": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos, self.ngram_drafter), self.ngram_drafter),
+        }
+
+    def _hf(self, method: str, ids: list[int], max_new: int) -> tuple[list[int], dict]:
+        from transformers import GenerationConfig
+
+        # A fresh, neutral generation config: pure greedy, none of the model's sampling or
+        # repetition-penalty defaults, so every method computes the same argmax chain.
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=max_new, eos_token_id=self.eos, pad_token_id=self.pad
+        )
+        kwargs = {}
+        if method == "hf-assisted":
+            kwargs["assistant_model"] = self.draft.model
+        elif method == "hf-prompt-lookup":
+            config.prompt_lookup_num_tokens = 10
+        inputs = torch.tensor([ids], device=self.model.device)
+        with torch.inference_mode():
+            out = self.model.generate(
+                inputs, attention_mask=torch.ones_like(inputs), generation_config=config, **kwargs
+            )
+        return out[0, len(ids):].tolist(), {}
+
+    def _spec(self, method: str, ids: list[int], max_new: int) -> tuple[list[int], dict]:
+        decoder, drafter = self.decoders[method]
+        self.target_lm.rollback(0)
+        drafter.rollback(0)
+        tokens, steps = [], []
+        spec = SpecConfig(k=self.k, max_new_tokens=max_new)
+        with torch.inference_mode():
+            for event in decoder.generate(ids, SamplingConfig(), spec):
+                if isinstance(event, TokenEvent):
+                    tokens.append(event.token_id)
+                elif isinstance(event, StepEvent):
+                    steps.append(event)
+        drafted = sum(s.drafted for s in steps)
+        accepted = sum(s.accepted for s in steps)
+        return tokens, {
+            "steps": len(steps),
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None,
+            "tokens_per_step": len(tokens) / len(steps) if steps else None,
+        }
+
+    def run(self, method: str, ids: list[int], max_new: int) -> dict:
+        runner = self._spec if method.startswith("specgen") else self._hf
+        started = time.perf_counter()
+        tokens, extra = runner(method, ids, max_new)
+        seconds = time.perf_counter() - started
+        tokens = strip_eos(tokens, self.eos_set)
+        self.target_lm.rollback(0)  # free specgen's cache before the next method
+        return {"tokens": tokens, "new_tokens": len(tokens), "seconds": seconds,
+                "tokens_per_second": len(tokens) / seconds if seconds > 0 else None, **extra}
+
+    def top2_gap(self, ids: list[int], prefix: list[int]) -> float:
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([ids + prefix], device=self.model.device)).logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        return float(top[0] - top[1])
+
+
+def fmt(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def run_dtype(dtype: str, args, prompts) -> dict:
+    config = LoadConfig(dtype=dtype)
+    started = time.perf_counter()
+    target = load_model(args.target, config, progress=log)
+    draft = load_model(args.draft, config, progress=log)
+    check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
+    load_seconds = time.perf_counter() - started
+    log(f"[{dtype}] loaded target and draft in {load_seconds:.0f} s")
+    bench = Bench(target, draft, args.k)
+    encoded = [(p, encode_bench_prompt(target.tokenizer, p)) for p in prompts]
+
+    # Warm-up: one short generate per method, untimed.
+    for method in METHODS:
+        bench.run(method, encoded[0][1], WARMUP_TOKENS)
+    log(f"[{dtype}] warmed up")
+
+    rows = []
+    errors = []
+    print(f"\n== dtype {dtype}: target {args.target}, draft {args.draft}, max_new_tokens {args.max_new_tokens},"
+          f" specgen k={args.k}; tokens/s = new tokens / wall time of the whole generate (prefill included)")
+    header = f"{'prompt':<24} {'len':>4} " + " ".join(f"{m:>17}" for m in METHODS) + "  check"
+    print(header)
+    for index, (prompt, ids) in enumerate(encoded):
+        # Rotate the order per prompt so no method always runs first.
+        order = METHODS[index % len(METHODS):] + METHODS[: index % len(METHODS)]
+        results = {}
+        for method in order:
+            results[method] = bench.run(method, ids, args.max_new_tokens)
+            log(f"[{dtype}] {prompt.name} {method}: {results[method]['new_tokens']} tokens,"
+                f" {results[method]['seconds']:.1f} s")
+        reference = results["hf-plain"]["tokens"]
+        divergences = []
+        for method in METHODS[1:]:
+            position = first_difference(reference, results[method]["tokens"])
+            results[method]["identical"] = position is None
+            if position is None:
+                continue
+            gap = bench.top2_gap(ids, reference[:position])
+            entry = {"prompt": prompt.name, "method": method, "position": position, "top2_logit_gap": gap,
+                     "plain_tokens": len(reference), "method_tokens": len(results[method]["tokens"])}
+            results[method]["divergence"] = entry
+            divergences.append(entry)
+            if dtype == "float32":
+                errors.append(entry)
+        check = "all identical" if not divergences else "; ".join(
+            f"{d['method']} differs at {d['position']} (gap {d['top2_logit_gap']:.3f})" for d in divergences)
+        cells = " ".join(f"{fmt(results[m]['tokens_per_second']):>10} ({results[m]['new_tokens']:>3})" for m in METHODS)
+        print(f"{prompt.name:<24} {len(ids):>4} {cells}  {check}", flush=True)
+        rows.append({"prompt": prompt.name, "category": prompt.category, "prompt_tokens": len(ids),
+                     "order": list(order),
+                     "methods": {m: {k: v for k, v in r.items()} for m, r in results.items()}})
+
+    medians = {m: statistics.median(r["methods"][m]["tokens_per_second"] for r in rows) for m in METHODS}
+    ratios = {}
+    for a in ("specgen-draft", "specgen-ngram"):
+        for b in ("hf-plain", "hf-assisted", "hf-prompt-lookup"):
+            ratios[f"{a} / {b}"] = medians[a] / medians[b] if medians[b] else None
+    for a in ("hf-assisted", "hf-prompt-lookup"):
+        ratios[f"{a} / hf-plain"] = medians[a] / medians["hf-plain"] if medians["hf-plain"] else None
+    # Per-prompt ratios too: the median of ratios is less sensitive to which prompt is slow.
+    per_prompt_ratio = {
+        key: statistics.median(r["methods"][key.split(" / ")[0]]["tokens_per_second"]
+                               / r["methods"][key.split(" / ")[1]]["tokens_per_second"] for r in rows)
+        for key in ratios
+    }
+    print(f"\n-- summary, {dtype}: median tokens/s over {len(rows)} prompts (cells above: tokens/s (new tokens))")
+    for m in METHODS:
+        extra = ""
+        if m.startswith("specgen"):
+            acc = [r["methods"][m]["acceptance"] for r in rows if r["methods"][m]["acceptance"] is not None]
+            tps = [r["methods"][m]["tokens_per_step"] for r in rows if r["methods"][m]["tokens_per_step"]]
+            extra = f"  (median acceptance {fmt(statistics.median(acc) if acc else None, '.0%')},"\
+                    f" median tokens/step {fmt(statistics.median(tps) if tps else None)})"
+        print(f"{m:<18} {medians[m]:8.2f}{extra}")
+    print(f"{'ratio':<40} {'of medians':>10} {'median of per-prompt':>21}")
+    for key, value in ratios.items():
+        print(f"{key:<40} {fmt(value, '.2f') + 'x':>10} {fmt(per_prompt_ratio[key], '.2f') + 'x':>21}")
+    n_div = sum(1 for r in rows for m in METHODS[1:] if not r["methods"][m]["identical"])
+    print(f"divergences from hf-plain: {n_div}" + (" (ERRORS: float32 must match exactly)" if errors else ""))
+
+    del bench, target, draft
+    return {"dtype": dtype, "load_seconds": load_seconds, "rows": rows, "median_tokens_per_second": medians,
+            "ratio_of_medians": ratios, "median_of_per_prompt_ratios": per_prompt_ratio,
+            "divergences": [r["methods"][m]["divergence"] for r in rows for m in METHODS[1:]
+                            if "divergence" in r["methods"][m]],
+            "errors": errors}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
+    parser.add_argument("--limit", type=int, default=None, help="take only the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--k", default="auto", help="specgen draft length: a number or auto")
+    parser.add_argument("--json-out", type=Path, default=None)
+    args = parser.parse_args()
+    args.k = args.k if args.k == "auto" else int(args.k)
+
+    prompts = load_prompts(args.prompts)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    import transformers
+
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "target": args.target, "draft": args.draft,
+           "max_new_tokens": args.max_new_tokens, "k": args.k, "prompts_file": str(args.prompts),
+           "prompts": [p.name for p in prompts], "methods": list(METHODS),
+           "timing": "new tokens / wall time of the whole generate call, prefill included, every method",
+           "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                           "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
+                           "machine": platform.machine(), "processor": platform.processor()},
+           "dtypes": []}
+    failed = False
+    for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+        result = run_dtype(dtype, args, prompts)
+        out["dtypes"].append(result)
+        failed |= bool(result["errors"])
+        if args.json_out:  # written after each dtype, so a cut-short run keeps what it measured
+            args.json_out.write_text(json.dumps(out, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
