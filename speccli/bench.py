@@ -233,10 +233,9 @@ def encode_bench_prompt(
         messages = [{"role": "user", "content": prompt.text}]
     if system and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system})
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    from speccli.pipeline import chat_template_ids
+
+    return chat_template_ids(tokenizer, messages)
 
 
 # --------------------------------------------------------------------------- results

@@ -57,6 +57,15 @@ def load_pipeline(
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
 
 
+def chat_template_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation under the tokenizer's chat template, ready for the
+    assistant's turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def encode_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -> list[int]:
     """Token ids for a raw prompt, or for a one-turn conversation under the chat template."""
     if not chat:
@@ -66,7 +75,4 @@ def encode_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": text}
     ]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    return chat_template_ids(tokenizer, messages)
