@@ -27,7 +27,7 @@ import platform
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.engine.backends import CausalLM
@@ -425,31 +425,6 @@ class Spread:
         }
 
 
-def pool_stats(stats: Iterable[GenerationStats]) -> GenerationStats:
-    """Several generations' figures summed into one (for pooled rates)."""
-    pooled = GenerationStats()
-    for s in stats:
-        pooled.prompt_tokens += s.prompt_tokens
-        pooled.reused_tokens += s.reused_tokens
-        pooled.new_tokens += s.new_tokens
-        pooled.steps += s.steps
-        pooled.drafted += s.drafted
-        pooled.accepted += s.accepted
-        pooled.prefill_seconds += s.prefill_seconds
-        pooled.draft_seconds += s.draft_seconds
-        pooled.verify_seconds += s.verify_seconds
-        pooled.total_seconds += s.total_seconds
-        for name, count in s.provenance.items():
-            pooled.provenance[name] = pooled.provenance.get(name, 0) + count
-        while len(pooled.drafted_at) < len(s.drafted_at):
-            pooled.drafted_at.append(0)
-            pooled.accepted_at.append(0)
-        for i, (d, a) in enumerate(zip(s.drafted_at, s.accepted_at)):
-            pooled.drafted_at[i] += d
-            pooled.accepted_at[i] += a
-    return pooled
-
-
 @dataclass(frozen=True)
 class BenchSummary:
     """Figures over a group of rows: one prompt at one k, every prompt at one k, or all.
@@ -484,8 +459,8 @@ class BenchSummary:
             failures=sum(not r.completed for r in rows),
             mismatches=sum(r.identical is False for r in rows),
             speedup=Spread.of(speedups),
-            plain=pool_stats(r.plain.stats for r in done),
-            spec=pool_stats(r.spec.stats for r in done),
+            plain=GenerationStats.pooled(r.plain.stats for r in done),
+            spec=GenerationStats.pooled(r.spec.stats for r in done),
         )
 
     @property
@@ -817,6 +792,5 @@ __all__ = [
     "load_prompts",
     "mismatch_message",
     "parse_k_list",
-    "pool_stats",
     "run_bench",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig
 from speccli.engine.events import Event, TokenEvent
@@ -462,8 +462,7 @@ class ChatSession:
         measured = GenerationStats()
         for event in plain.generate(context, sampling, SpecConfig(k=0, max_new_tokens=tokens)):
             measured.observe(event)
-        for name in ("new_tokens", "steps", "draft_seconds", "verify_seconds"):
-            setattr(self.baseline.stats, name, getattr(self.baseline.stats, name) + getattr(measured, name))
+        self.baseline.stats.add(measured)
         self.baseline.slices += 1
         return measured.new_tokens
 
@@ -521,11 +520,3 @@ class ChatSession:
             "baseline": self.baseline.as_dict() if self.has_drafter else None,
             "speedup": None if report.speedup is None else round(report.speedup, 3),
         }
-
-
-def stats_for(events: Sequence[Event]) -> GenerationStats:
-    """Fold a list of events (a helper for tests and renderers)."""
-    stats = GenerationStats()
-    for event in events:
-        stats.observe(event)
-    return stats

@@ -111,19 +111,12 @@ def _stderr_progress(quiet: bool) -> Callable[[str], None]:
 
 def _run_guarded(body: Callable[[], int]) -> None:
     """Run a command body, turning the errors a user can cause into one line and an exit code."""
-    from speccli.models.errors import ModelLoadError
-
     try:
         code = body()
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED)
-    except UsageError as error:
-        if debugging():
-            raise
-        report(str(error), error.hint)
-        raise typer.Exit(EXIT_USAGE)
-    except ModelLoadError as error:
+    except UsageError as error:  # bad input, prompt files and model names included
         if debugging():
             raise
         report(str(error), error.hint)
@@ -247,6 +240,7 @@ def _stream_generation(
 ) -> int:
     """Run one generation to stdout. On Ctrl-C what was generated stays printed (or goes
     into the JSON, marked interrupted) and the exit code is 130."""
+    from speccli.models.loading import dtype_name
     from speccli.stats import GenerationStats
     from speccli.ui.plain import PlainTextRenderer, TokenRecorder, dump_json, stats_summary
 
@@ -265,11 +259,11 @@ def _stream_generation(
         payload = recorder.as_dict()
         payload["finish_reason"] = "interrupted" if interrupted else figures.finish_reason
         payload["target"] = pipeline.target.name
-        payload["draft"] = pipeline.draft.name if pipeline.draft else pipeline.drafter_name
+        payload["draft"] = pipeline.draft_label
         payload["settings"] = {
             "k": spec.k, "max_new_tokens": spec.max_new_tokens, "temperature": sampling.temperature,
             "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
-            "dtype": str(pipeline.target.dtype).removeprefix("torch."),
+            "dtype": dtype_name(pipeline.target.dtype),
             "device": str(pipeline.target.device), "quant": pipeline.target.quant,
         }
         payload["stats"] = figures.as_dict()
@@ -375,7 +369,7 @@ def bench(
 
         progress = _stderr_progress(quiet)
         from speccli.bench import BenchRunner, BenchSettings, load_prompts, parse_k_list
-        from speccli.pipeline import load_pipeline
+        from speccli.pipeline import NO_DRAFT, load_pipeline
         from speccli.ui import bench_report
 
         prompt_set = load_prompts(Path(prompts))
@@ -387,7 +381,7 @@ def bench(
             settings = BenchSettings(sampling, max_new_tokens, tuple(ks), repeat, chat=chat, system=system)
         except ValueError as error:
             raise UsageError(str(error)) from None
-        if options.draft.strip().lower() == "none":
+        if options.draft.strip().lower() == NO_DRAFT:
             raise UsageError("bench compares speculative decoding with plain decoding and needs a draft", "use --draft MODEL or --draft ngram")
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
@@ -399,14 +393,7 @@ def bench(
             lambda: pipeline.decoder.drafter,
             settings,
             progress=bench_progress.update,
-            metadata={
-                "target": pipeline.target.name,
-                "draft": pipeline.draft.name if pipeline.draft else pipeline.drafter_name,
-                "drafter": pipeline.drafter_name,
-                "dtype": str(pipeline.target.dtype).removeprefix("torch."),
-                "device": str(pipeline.target.device),
-                "quant": pipeline.target.quant,
-            },
+            metadata=pipeline.model_info(),
         )
         interrupted = False
         try:

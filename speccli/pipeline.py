@@ -11,7 +11,7 @@ from speccli.engine.backends import HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from speccli.models.compat import check_tokenizers_compatible
-from speccli.models.loading import LoadedModel, load_model
+from speccli.models.loading import LoadedModel, dtype_name, load_model
 
 NGRAM_DRAFT = "ngram"
 NO_DRAFT = "none"
@@ -29,6 +29,22 @@ class Pipeline:
     @property
     def tokenizer(self):
         return self.target.tokenizer
+
+    @property
+    def draft_label(self) -> str:
+        """The draft model's name, or the drafter's (`ngram`, `none`) when there is no model."""
+        return self.draft.name if self.draft else self.drafter_name
+
+    def model_info(self) -> dict[str, str]:
+        """What ran, for saved sessions and benchmark reports."""
+        return {
+            "target": self.target.name,
+            "draft": self.draft_label,
+            "drafter": self.drafter_name,
+            "dtype": dtype_name(self.target.dtype),
+            "device": str(self.target.device),
+            "quant": self.target.quant,
+        }
 
 
 def load_pipeline(

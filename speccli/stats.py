@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from speccli.engine.events import Event, FinishEvent, PrefillEvent, Provenance, StepEvent, TokenEvent
 
@@ -38,6 +39,36 @@ class GenerationStats:
     accepted_at: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     _started: float | None = field(default=None, repr=False)
+
+    def add(self, other: "GenerationStats") -> None:
+        """Fold another generation's counts and times into these (for pooled rates).
+        Per-generation figures (time to first token, finish reason) are not pooled."""
+        self.prompt_tokens += other.prompt_tokens
+        self.reused_tokens += other.reused_tokens
+        self.new_tokens += other.new_tokens
+        self.steps += other.steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.prefill_seconds += other.prefill_seconds
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+        self.total_seconds += other.total_seconds
+        for name, count in other.provenance.items():
+            self.provenance[name] = self.provenance.get(name, 0) + count
+        while len(self.drafted_at) < len(other.drafted_at):
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for position, (drafted, accepted) in enumerate(zip(other.drafted_at, other.accepted_at)):
+            self.drafted_at[position] += drafted
+            self.accepted_at[position] += accepted
+
+    @classmethod
+    def pooled(cls, generations: Iterable["GenerationStats"]) -> "GenerationStats":
+        """Several generations' figures summed into one."""
+        total = cls()
+        for stats in generations:
+            total.add(stats)
+        return total
 
     def start(self) -> None:
         """Mark the moment the request began (for time to first token)."""

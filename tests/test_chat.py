@@ -465,16 +465,11 @@ def test_ctrl_c_in_a_multi_line_block_drops_only_the_block(models):
 def test_run_chat_refuses_bad_settings_and_models_without_a_template(models):
     tokenizer, target, draft = models
 
-    class Fake:
-        def __init__(self, tok):
-            self.target = type("T", (), {"name": "tiny", "dtype": torch.float32, "device": "cpu", "quant": "none", "tokenizer": tok})()
-            self.draft = None
-            self.drafter_name = "none"
-            self.decoder = SpeculativeDecoder(HFCausalLM(target), tok, [EOS])
+    def Fake(tok):
+        from speccli.pipeline import Pipeline
 
-        @property
-        def tokenizer(self):
-            return self.target.tokenizer
+        loaded = type("T", (), {"name": "tiny", "dtype": torch.float32, "device": "cpu", "quant": "none", "tokenizer": tok})()
+        return Pipeline(loaded, None, "none", SpeculativeDecoder(HFCausalLM(target), tok, [EOS]))
 
     with pytest.raises(UsageError, match="^tiny has no chat template, so it cannot chat$"):
         run_chat(Fake(char_tokenizer()), stdin=io.StringIO(""))

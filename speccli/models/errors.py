@@ -6,20 +6,21 @@ message and the hint and exits non-zero, without a traceback.
 
 from __future__ import annotations
 
+from speccli.errors import UsageError
+
 __all__ = ["ModelLoadError", "TokenizerMismatchError"]
 
 
-class ModelLoadError(Exception):
-    """A model could not be found, resolved or loaded.
+class ModelLoadError(UsageError):
+    """A model could not be found, resolved or loaded (bad input: exit code 2).
 
     ``str(error)`` is one line saying what was tried and what went wrong;
     ``hint`` is one line saying what to do (may be empty).
     """
 
     def __init__(self, message: str, hint: str = "") -> None:
-        super().__init__(message)
+        super().__init__(message, hint)
         self.message = message
-        self.hint = hint
 
 
 class TokenizerMismatchError(ModelLoadError):

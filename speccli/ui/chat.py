@@ -440,17 +440,9 @@ def run_chat(
             f"{pipeline.target.name} has no chat template, so it cannot chat",
             "use an instruction-tuned (chat) model, or `specgen generate` for plain continuation",
         )
-    model_info = {
-        "target": pipeline.target.name,
-        "draft": pipeline.draft.name if pipeline.draft is not None else pipeline.drafter_name,
-        "drafter": pipeline.drafter_name,
-        "dtype": str(pipeline.target.dtype).removeprefix("torch."),
-        "device": str(pipeline.target.device),
-        "quant": pipeline.target.quant,
-    }
     session = ChatSession(
         pipeline.decoder, settings, system,
-        baseline_tokens=baseline_tokens, baseline_budget=baseline_budget, model_info=model_info,
+        baseline_tokens=baseline_tokens, baseline_budget=baseline_budget, model_info=pipeline.model_info(),
     )
     off = False if color is False else None
     ui = ChatUI(session, stdout, stderr, colour_enabled(stdout, off), colour_enabled(stderr, off))

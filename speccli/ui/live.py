@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from speccli.engine.events import Event, Provenance, TokenEvent
 from speccli.stats import GenerationStats
+from speccli.ui.plain import fmt_optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.chat_session import SessionReport
@@ -144,10 +145,6 @@ class TokenStream:
         self._last = "\n"
 
 
-def _fmt(value: float | None, spec: str, missing: str = "n/a") -> str:
-    return missing if value is None else format(value, spec)
-
-
 def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
@@ -156,13 +153,13 @@ def answer_line(stats: GenerationStats, interrupted: bool = False, has_drafter: 
     """One line after each answer: tokens, tokens/s, acceptance, tokens per step, time to
     first token."""
     parts = ["interrupted"] if interrupted else []
-    parts += [f"{stats.new_tokens} tokens", f"{_fmt(stats.tokens_per_second, '.1f')} tok/s"]
+    parts += [f"{stats.new_tokens} tokens", f"{fmt_optional(stats.tokens_per_second, '.1f')} tok/s"]
     if has_drafter:
         parts += [
             f"acceptance {_percent(stats.acceptance_rate)}",
-            f"{_fmt(stats.tokens_per_step, '.2f')} tokens/step",
+            f"{fmt_optional(stats.tokens_per_step, '.2f')} tokens/step",
         ]
-    parts.append(f"first token {_fmt(stats.first_token_seconds, '.2f')} s")
+    parts.append(f"first token {fmt_optional(stats.first_token_seconds, '.2f')} s")
     return " | ".join(parts)
 
 
@@ -180,15 +177,15 @@ def session_report(report: "SessionReport") -> str:
             )
             acceptance += f"; by draft position: {by_position}"
         lines.append(acceptance)
-        predicted = f"{_fmt(report.predicted_tokens_per_step, '.2f')} predicted by {FORMULA}"
+        predicted = f"{fmt_optional(report.predicted_tokens_per_step, '.2f')} predicted by {FORMULA}"
         if report.acceptance is not None and report.mean_draft_length is not None:
             predicted += f" with a = {report.acceptance:.3f}, k = {report.mean_draft_length:.2f} (mean draft length)"
-        lines.append(f"tokens per step: {_fmt(report.tokens_per_step, '.2f')} measured, {predicted}")
+        lines.append(f"tokens per step: {fmt_optional(report.tokens_per_step, '.2f')} measured, {predicted}")
     else:
         lines.append("acceptance: n/a (no drafter: plain target decoding)")
     lines.append(
-        f"speed: {_fmt(report.tokens_per_second, '.1f')} tok/s (decode time, prefill excluded);"
-        f" first token after {_fmt(report.mean_first_token_seconds, '.2f')} s on average"
+        f"speed: {fmt_optional(report.tokens_per_second, '.1f')} tok/s (decode time, prefill excluded);"
+        f" first token after {fmt_optional(report.mean_first_token_seconds, '.2f')} s on average"
     )
     if report.speedup is not None:
         lines.append(

@@ -53,8 +53,10 @@ def dump_json(payload: dict, stream: TextIO) -> None:
     stream.flush()
 
 
-def _fmt(value: float | None, spec: str, missing: str = "n/a") -> str:
+def fmt_optional(value: float | None, spec: str, missing: str = "n/a") -> str:
+    """A figure that may not exist yet (no steps, nothing drafted)."""
     return missing if value is None else format(value, spec)
+
 
 
 def stats_summary(stats: GenerationStats) -> str:
@@ -62,11 +64,11 @@ def stats_summary(stats: GenerationStats) -> str:
     acceptance = stats.acceptance_rate
     lines = [
         f"tokens: {stats.new_tokens} in {stats.steps} steps"
-        f" | {_fmt(stats.tokens_per_second, '.2f')} tok/s"
-        f" | acceptance {_fmt(None if acceptance is None else 100 * acceptance, '.1f')}%"
-        f" | tokens/step {_fmt(stats.tokens_per_step, '.2f')}"
-        f" (predicted {_fmt(stats.predicted_tokens_per_step, '.2f')})"
-        f" | first token {_fmt(stats.first_token_seconds, '.2f')} s",
+        f" | {fmt_optional(stats.tokens_per_second, '.2f')} tok/s"
+        f" | acceptance {fmt_optional(None if acceptance is None else 100 * acceptance, '.1f')}%"
+        f" | tokens/step {fmt_optional(stats.tokens_per_step, '.2f')}"
+        f" (predicted {fmt_optional(stats.predicted_tokens_per_step, '.2f')})"
+        f" | first token {fmt_optional(stats.first_token_seconds, '.2f')} s",
     ]
     if stats.acceptance_by_position:
         by_position = " ".join(f"{100 * rate:.0f}%" for rate in stats.acceptance_by_position)
