@@ -8,9 +8,12 @@ each prompt, these methods run one after another on the same prompt ids (interle
 prompt, so slow drift of the machine hits every method alike):
 
   hf-plain          target.generate(ids, do_sample=False)
-  hf-assisted       target.generate(..., assistant_model=draft)
+  hf-assisted       target.generate(..., assistant_model=draft), the draft as loaded for the target
+  hf-assisted-int8  the same with specgen's draft (int8 on the CPU): what the cheaper draft alone gives
   hf-prompt-lookup  target.generate(..., prompt_lookup_num_tokens=10)
-  specgen-draft     specgen's SpeculativeDecoder with the draft model (k from --k, default auto)
+  specgen-draft     specgen with its defaults: the draft loaded as specgen loads a draft (int8 on
+                    the CPU), k auto from a calibration made before timing, early stop on the
+                    draft's confidence
   specgen-ngram     specgen's SpeculativeDecoder with PromptLookupDrafter
 
 Tokens/s is new tokens / wall time of the whole call, prefill included, for every method
@@ -36,12 +39,14 @@ from speccli.bench import encode_bench_prompt, load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.engine.backends import HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
+from speccli.calibration_cache import describe
+from speccli.engine.calibration import measure_costs
+from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, ModelDrafter, PromptLookupDrafter
 from speccli.engine.events import StepEvent, TokenEvent
 from speccli.models.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
 
-METHODS = ("hf-plain", "hf-assisted", "hf-prompt-lookup", "specgen-draft", "specgen-ngram")
+METHODS = ("hf-plain", "hf-assisted", "hf-assisted-int8", "hf-prompt-lookup", "specgen-draft", "specgen-ngram")
 WARMUP_TOKENS = 8
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "default.jsonl"
 
@@ -64,9 +69,10 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 class Bench:
-    def __init__(self, target, draft, k: int | str) -> None:
+    def __init__(self, target, draft, spec_draft, k: int | str) -> None:
         self.target = target
         self.draft = draft
+        self.spec_draft = spec_draft
         self.model = target.model
         self.eos = list(target.eos_token_ids)
         self.eos_set = set(self.eos)
@@ -77,11 +83,18 @@ class Bench:
         self.target_lm = target_lm
         # One decoder per drafter, reused across prompts as a session would (the auto-k
         # policy keeps what it has learnt); caches are emptied before each timed run.
-        self.draft_drafter = ModelDrafter(HFCausalLM(draft.model), target_lm.vocab_size)
+        self.draft_drafter = ModelDrafter(HFCausalLM(spec_draft.model), target_lm.vocab_size, DEFAULT_STOP_CONFIDENCE)
         self.ngram_drafter = PromptLookupDrafter()
+        # Calibrated before timing, as a user's cached calibration would be.
+        costs = None
+        if k == "auto":
+            costs = measure_costs(target_lm, self.draft_drafter.model, SpecConfig().max_k + 1)
+            log(f"calibration: {describe(costs)}")
         self.decoders = {
-            "specgen-draft": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos, self.draft_drafter), self.draft_drafter),
-            "specgen-ngram": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos, self.ngram_drafter), self.ngram_drafter),
+            "specgen-draft": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs), self.draft_drafter),
+            "specgen-ngram": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
+                                                 measure_costs(target_lm, None, SpecConfig().max_k + 1) if k == "auto" else None),
+                              self.ngram_drafter),
         }
 
     def _hf(self, method: str, ids: list[int], max_new: int) -> tuple[list[int], dict]:
@@ -95,6 +108,8 @@ class Bench:
         kwargs = {}
         if method == "hf-assisted":
             kwargs["assistant_model"] = self.draft.model
+        elif method == "hf-assisted-int8":
+            kwargs["assistant_model"] = self.spec_draft.model
         elif method == "hf-prompt-lookup":
             config.prompt_lookup_num_tokens = 10
         inputs = torch.tensor([ids], device=self.model.device)
@@ -110,12 +125,17 @@ class Bench:
         drafter.rollback(0)
         tokens, steps = [], []
         spec = SpecConfig(k=self.k, max_new_tokens=max_new)
+        models = [self.target_lm] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
+        forward_before = sum(m.forward_seconds for m in models)
+        started = time.perf_counter()
         with torch.inference_mode():
             for event in decoder.generate(ids, SamplingConfig(), spec):
                 if isinstance(event, TokenEvent):
                     tokens.append(event.token_id)
                 elif isinstance(event, StepEvent):
                     steps.append(event)
+        wall = time.perf_counter() - started
+        forward = sum(m.forward_seconds for m in models) - forward_before
         drafted = sum(s.drafted for s in steps)
         accepted = sum(s.accepted for s in steps)
         return tokens, {
@@ -124,6 +144,8 @@ class Bench:
             "accepted": accepted,
             "acceptance": accepted / drafted if drafted else None,
             "tokens_per_step": len(tokens) / len(steps) if steps else None,
+            "forward_seconds": forward,
+            "overhead": (wall - forward) / wall if wall > 0 else None,
         }
 
     def run(self, method: str, ids: list[int], max_new: int) -> dict:
@@ -143,23 +165,38 @@ class Bench:
         return float(top[0] - top[1])
 
 
+def round_robin_by_category(prompts: list, limit: int) -> list:
+    """The first prompt of each category, then the second of each, and so on, up to limit."""
+    queues: dict[str, list] = {}
+    for prompt in prompts:
+        queues.setdefault(prompt.category or "", []).append(prompt)
+    chosen = []
+    while len(chosen) < limit and any(queues.values()):
+        for queue in queues.values():
+            if queue and len(chosen) < limit:
+                chosen.append(queue.pop(0))
+    return chosen
+
+
 def fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
 def run_dtype(dtype: str, args, prompts) -> dict:
+    methods = args.methods
     config = LoadConfig(dtype=dtype)
     started = time.perf_counter()
     target = load_model(args.target, config, progress=log)
     draft = load_model(args.draft, config, progress=log)
+    spec_draft = load_model(args.draft, LoadConfig(dtype=dtype, for_draft=True), progress=log)
     check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
     load_seconds = time.perf_counter() - started
-    log(f"[{dtype}] loaded target and draft in {load_seconds:.0f} s")
-    bench = Bench(target, draft, args.k)
+    log(f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; specgen's draft: {spec_draft.describe()}")
+    bench = Bench(target, draft, spec_draft, args.k)
     encoded = [(p, encode_bench_prompt(target.tokenizer, p)) for p in prompts]
 
     # Warm-up: one short generate per method, untimed.
-    for method in METHODS:
+    for method in methods:
         bench.run(method, encoded[0][1], WARMUP_TOKENS)
     log(f"[{dtype}] warmed up")
 
@@ -167,11 +204,11 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     errors = []
     print(f"\n== dtype {dtype}: target {args.target}, draft {args.draft}, max_new_tokens {args.max_new_tokens},"
           f" specgen k={args.k}; tokens/s = new tokens / wall time of the whole generate (prefill included)")
-    header = f"{'prompt':<24} {'len':>4} " + " ".join(f"{m:>17}" for m in METHODS) + "  check"
+    header = f"{'prompt':<24} {'len':>4} " + " ".join(f"{m:>17}" for m in methods) + "  check"
     print(header)
     for index, (prompt, ids) in enumerate(encoded):
         # Rotate the order per prompt so no method always runs first.
-        order = METHODS[index % len(METHODS):] + METHODS[: index % len(METHODS)]
+        order = methods[index % len(methods):] + methods[: index % len(methods)]
         results = {}
         for method in order:
             results[method] = bench.run(method, ids, args.max_new_tokens)
@@ -179,7 +216,7 @@ def run_dtype(dtype: str, args, prompts) -> dict:
                 f" {results[method]['seconds']:.1f} s")
         reference = results["hf-plain"]["tokens"]
         divergences = []
-        for method in METHODS[1:]:
+        for method in methods[1:]:
             position = first_difference(reference, results[method]["tokens"])
             results[method]["identical"] = position is None
             if position is None:
@@ -193,44 +230,49 @@ def run_dtype(dtype: str, args, prompts) -> dict:
                 errors.append(entry)
         check = "all identical" if not divergences else "; ".join(
             f"{d['method']} differs at {d['position']} (gap {d['top2_logit_gap']:.3f})" for d in divergences)
-        cells = " ".join(f"{fmt(results[m]['tokens_per_second']):>10} ({results[m]['new_tokens']:>3})" for m in METHODS)
+        cells = " ".join(f"{fmt(results[m]['tokens_per_second']):>10} ({results[m]['new_tokens']:>3})" for m in methods)
         print(f"{prompt.name:<24} {len(ids):>4} {cells}  {check}", flush=True)
         rows.append({"prompt": prompt.name, "category": prompt.category, "prompt_tokens": len(ids),
                      "order": list(order),
                      "methods": {m: {k: v for k, v in r.items()} for m, r in results.items()}})
 
-    medians = {m: statistics.median(r["methods"][m]["tokens_per_second"] for r in rows) for m in METHODS}
-    ratios = {}
-    for a in ("specgen-draft", "specgen-ngram"):
-        for b in ("hf-plain", "hf-assisted", "hf-prompt-lookup"):
-            ratios[f"{a} / {b}"] = medians[a] / medians[b] if medians[b] else None
-    for a in ("hf-assisted", "hf-prompt-lookup"):
-        ratios[f"{a} / hf-plain"] = medians[a] / medians["hf-plain"] if medians["hf-plain"] else None
+    medians = {m: statistics.median(r["methods"][m]["tokens_per_second"] for r in rows) for m in methods}
+    pairs = [(a, b) for a in ("specgen-draft", "specgen-ngram") for b in ("hf-plain", "hf-assisted", "hf-prompt-lookup")]
+    pairs += [("specgen-draft", "hf-assisted-int8")]
+    pairs += [(a, "hf-plain") for a in ("hf-assisted", "hf-assisted-int8", "hf-prompt-lookup")]
+    ratios = {f"{a} / {b}": medians[a] / medians[b] if medians[b] else None
+              for a, b in pairs if a in medians and b in medians}
     # Per-prompt ratios too: the median of ratios is less sensitive to which prompt is slow.
-    per_prompt_ratio = {
-        key: statistics.median(r["methods"][key.split(" / ")[0]]["tokens_per_second"]
-                               / r["methods"][key.split(" / ")[1]]["tokens_per_second"] for r in rows)
-        for key in ratios
-    }
+    def prompt_ratios(key: str) -> list[float]:
+        a, b = key.split(" / ")
+        return [r["methods"][a]["tokens_per_second"] / r["methods"][b]["tokens_per_second"] for r in rows]
+
+    per_prompt_ratio = {key: statistics.median(prompt_ratios(key)) for key in ratios}
+    worst_prompt_ratio = {key: min(prompt_ratios(key)) for key in ratios}
     print(f"\n-- summary, {dtype}: median tokens/s over {len(rows)} prompts (cells above: tokens/s (new tokens))")
-    for m in METHODS:
+    for m in methods:
         extra = ""
         if m.startswith("specgen"):
             acc = [r["methods"][m]["acceptance"] for r in rows if r["methods"][m]["acceptance"] is not None]
             tps = [r["methods"][m]["tokens_per_step"] for r in rows if r["methods"][m]["tokens_per_step"]]
+            overhead = [r["methods"][m]["overhead"] for r in rows if r["methods"][m]["overhead"] is not None]
             extra = f"  (median acceptance {fmt(statistics.median(acc) if acc else None, '.0%')},"\
-                    f" median tokens/step {fmt(statistics.median(tps) if tps else None)})"
+                    f" median tokens/step {fmt(statistics.median(tps) if tps else None)},"\
+                    f" time outside forward passes: median {fmt(statistics.median(overhead) if overhead else None, '.1%')},"\
+                    f" max {fmt(max(overhead) if overhead else None, '.1%')})"
         print(f"{m:<18} {medians[m]:8.2f}{extra}")
-    print(f"{'ratio':<40} {'of medians':>10} {'median of per-prompt':>21}")
+    print(f"{'ratio':<40} {'of medians':>10} {'median of per-prompt':>21} {'lowest prompt':>14}")
     for key, value in ratios.items():
-        print(f"{key:<40} {fmt(value, '.2f') + 'x':>10} {fmt(per_prompt_ratio[key], '.2f') + 'x':>21}")
-    n_div = sum(1 for r in rows for m in METHODS[1:] if not r["methods"][m]["identical"])
+        print(f"{key:<40} {fmt(value, '.2f') + 'x':>10} {fmt(per_prompt_ratio[key], '.2f') + 'x':>21}"
+              f" {fmt(worst_prompt_ratio[key], '.2f') + 'x':>14}")
+    n_div = sum(1 for r in rows for m in methods[1:] if not r["methods"][m]["identical"])
     print(f"divergences from hf-plain: {n_div}" + (" (ERRORS: float32 must match exactly)" if errors else ""))
 
-    del bench, target, draft
+    del bench, target, draft, spec_draft
     return {"dtype": dtype, "load_seconds": load_seconds, "rows": rows, "median_tokens_per_second": medians,
             "ratio_of_medians": ratios, "median_of_per_prompt_ratios": per_prompt_ratio,
-            "divergences": [r["methods"][m]["divergence"] for r in rows for m in METHODS[1:]
+            "lowest_per_prompt_ratios": worst_prompt_ratio,
+            "divergences": [r["methods"][m]["divergence"] for r in rows for m in methods[1:]
                             if "divergence" in r["methods"][m]],
             "errors": errors}
 
@@ -241,21 +283,29 @@ def main() -> int:
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
-    parser.add_argument("--limit", type=int, default=None, help="take only the first N prompts")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="take N prompts, one category after another (file order within each)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", default="auto", help="specgen draft length: a number or auto")
     parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated subset of the methods (hf-plain always runs: it is the reference)")
     args = parser.parse_args()
     args.k = args.k if args.k == "auto" else int(args.k)
+    chosen = {m.strip() for m in args.methods.split(",") if m.strip()}
+    unknown = chosen - set(METHODS)
+    if unknown:
+        parser.error(f"unknown methods: {', '.join(sorted(unknown))} (known: {', '.join(METHODS)})")
+    args.methods = tuple(m for m in METHODS if m in chosen or m == "hf-plain")
 
     prompts = load_prompts(args.prompts)
     if args.limit:
-        prompts = prompts[: args.limit]
+        prompts = round_robin_by_category(prompts, args.limit)
     import transformers
 
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "target": args.target, "draft": args.draft,
            "max_new_tokens": args.max_new_tokens, "k": args.k, "prompts_file": str(args.prompts),
-           "prompts": [p.name for p in prompts], "methods": list(METHODS),
+           "prompts": [p.name for p in prompts], "methods": list(args.methods),
            "timing": "new tokens / wall time of the whole generate call, prefill included, every method",
            "environment": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.engine.backends import CausalLM
+from speccli.engine.calibration import CostProfile
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import Drafter
 from speccli.engine.events import TokenEvent
@@ -644,8 +645,10 @@ class BenchRunner:
         settings: BenchSettings,
         progress: Callable[[BenchProgress], None] | None = None,
         metadata: dict[str, Any] | None = None,
+        costs: CostProfile | None = None,
     ) -> None:
         self.target = target
+        self.costs = costs
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self.make_drafter = make_drafter
@@ -717,7 +720,7 @@ class BenchRunner:
         self.target.rollback(0)
         if drafter is not None:
             drafter.rollback(0)
-        decoder = SpeculativeDecoder(self.target, self.tokenizer, self.eos_token_ids, drafter)
+        decoder = SpeculativeDecoder(self.target, self.tokenizer, self.eos_token_ids, drafter, self.costs)
         stats = GenerationStats()
         tokens: list[int] = []
         stats.start()

@@ -10,7 +10,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from speccli import __version__
-from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
+from speccli.config import AUTO_K, LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.ui.chat import command_help as _chat_help
 from speccli.errors import (
     EXIT_FAILURE,
@@ -80,6 +80,7 @@ class ModelOptions:
                 self.draft_dtype or self.dtype,
                 self.draft_quant or self.quant,
                 self.trust_remote_code,
+                for_draft=True,
             )
         except ValueError as error:
             raise UsageError(str(error)) from None
@@ -163,12 +164,13 @@ TopKOpt = Annotated[int, typer.Option("--top-k", help="Sample among the k most l
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Sample among the smallest set of tokens with this much mass.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu, cuda, cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16, float16.")]
-QuantOpt = Annotated[str, typer.Option("--quant", help="auto (4-bit on CUDA, none on CPU), 4bit, 8bit, none.")]
+QuantOpt = Annotated[str, typer.Option("--quant", help="auto (4-bit on CUDA; on the CPU none for the target, int8 for the draft), 4bit, 8bit (bitsandbytes), int8 (PyTorch dynamic, CPU only), none.")]
 DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="Device for the draft (default: --device).")]
 DraftDtypeOpt = Annotated[Optional[str], typer.Option("--draft-dtype", help="dtype for the draft (default: --dtype).")]
-DraftQuantOpt = Annotated[Optional[str], typer.Option("--draft-quant", help="Quantization for the draft (default: --quant).")]
+DraftQuantOpt = Annotated[Optional[str], typer.Option("--draft-quant", help="Quantization for the draft (default: --quant). int8 halves a CPU draft token's cost; the output stays the target's own.")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
+RecalibrateOpt = Annotated[bool, typer.Option("--recalibrate", help="Time target and draft passes again for --k auto instead of using the cached calibration for this model pair and device.")]
 
 @app.command()
 def generate(
@@ -193,6 +195,7 @@ def generate(
     trust_remote_code: TrustRemoteCodeOpt = False,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, provenance, statistics) instead of the text."),
     stats: bool = typer.Option(False, "--stats", help="Print statistics to stderr when done."),
+    recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Generate a continuation of PROMPT and write only the text to stdout.
@@ -206,6 +209,7 @@ def generate(
 
     def body() -> int:
         progress = _stderr_progress(quiet)
+        from speccli.calibration_cache import calibrate
         from speccli.pipeline import encode_prompt, load_pipeline
 
         try:
@@ -220,6 +224,8 @@ def generate(
         text = _read_prompt(prompt)
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
+        if spec.k == AUTO_K:
+            calibrate(pipeline, spec.max_k, progress, refresh=recalibrate)
         try:
             prompt_ids = encode_prompt(pipeline.tokenizer, text, chat, system)
         except ValueError as error:
@@ -265,6 +271,7 @@ def _stream_generation(
             "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
             "dtype": dtype_name(pipeline.target.dtype),
             "device": str(pipeline.target.device), "quant": pipeline.target.quant,
+            "draft_quant": pipeline.draft.quant if pipeline.draft else None,
         }
         payload["stats"] = figures.as_dict()
         dump_json(payload, sys.stdout)
@@ -301,6 +308,7 @@ def chat(
     draft_quant: DraftQuantOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     no_color: bool = typer.Option(False, "--no-color", help="No colours (also off when NO_COLOR is set or stdout is not a terminal)."),
+    recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     options = ModelOptions(
@@ -310,6 +318,7 @@ def chat(
 
     def body() -> int:
         progress = _stderr_progress(quiet)
+        from speccli.calibration_cache import calibrate
         from speccli.pipeline import load_pipeline
         from speccli.ui.chat import run_chat
 
@@ -318,8 +327,15 @@ def chat(
             draft_length = parse_draft_length(k)
         except ValueError as error:
             raise UsageError(f"--{error}") from None
+
+        def load():
+            pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
+            if draft_length == AUTO_K:
+                calibrate(pipeline, SpecConfig().max_k, progress, refresh=recalibrate)
+            return pipeline
+
         return run_chat(
-            lambda: load_pipeline(options.target, options.draft, target_config, draft_config, progress),
+            load,
             k=draft_length, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, system=system, color=False if no_color else None,
         )
@@ -351,6 +367,7 @@ def bench(
     draft_dtype: DraftDtypeOpt = None,
     draft_quant: DraftQuantOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Run each prompt through plain target decoding and speculative decoding, side by side.
@@ -369,6 +386,7 @@ def bench(
 
         progress = _stderr_progress(quiet)
         from speccli.bench import BenchRunner, BenchSettings, load_prompts, parse_k_list
+        from speccli.calibration_cache import calibrate
         from speccli.pipeline import NO_DRAFT, load_pipeline
         from speccli.ui import bench_report
 
@@ -385,6 +403,7 @@ def bench(
             raise UsageError("bench compares speculative decoding with plain decoding and needs a draft", "use --draft MODEL or --draft ngram")
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
+        costs = calibrate(pipeline, SpecConfig().max_k, progress, refresh=recalibrate) if AUTO_K in ks else None
         bench_progress = _BenchProgressDisplay(progress, bar=not quiet and sys.stderr.isatty())
         runner = BenchRunner(
             pipeline.decoder.target,
@@ -394,6 +413,7 @@ def bench(
             settings,
             progress=bench_progress.update,
             metadata=pipeline.model_info(),
+            costs=costs,
         )
         interrupted = False
         try:

@@ -77,7 +77,7 @@ class SpecConfig:
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTS = ("auto", "4bit", "8bit", "none")
+QUANTS = ("auto", "4bit", "8bit", "int8", "none")
 
 
 @dataclass(frozen=True)
@@ -86,13 +86,15 @@ class LoadConfig:
 
     device: auto (CUDA when available), cpu, cuda or cuda:N.
     dtype: auto picks what runs fastest where the model runs; else the weights' dtype.
-    quant: auto means bitsandbytes NF4 4-bit on CUDA and none on the CPU.
+    quant: auto means bitsandbytes NF4 4-bit on CUDA; on the CPU, none for a target and
+    PyTorch's dynamic int8 for a draft (`for_draft`), whose speed is what matters there.
     """
 
     device: str = "auto"
     dtype: str = "auto"
     quant: str = "auto"
     trust_remote_code: bool = False
+    for_draft: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

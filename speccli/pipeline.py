@@ -9,7 +9,7 @@ from typing import Callable
 from speccli.config import LoadConfig
 from speccli.engine.backends import HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, Drafter, ModelDrafter, PromptLookupDrafter
 from speccli.models.compat import check_tokenizers_compatible
 from speccli.models.loading import LoadedModel, dtype_name, load_model
 
@@ -44,6 +44,7 @@ class Pipeline:
             "dtype": dtype_name(self.target.dtype),
             "device": str(self.target.device),
             "quant": self.target.quant,
+            "draft_quant": self.draft.quant if self.draft else "none",
         }
 
 
@@ -68,7 +69,7 @@ def load_pipeline(
     else:
         draft = load_model(draft_name, draft_config, progress=progress)
         check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
-        drafter = ModelDrafter(HFCausalLM(draft.model), target_lm.vocab_size)
+        drafter = ModelDrafter(HFCausalLM(draft.model), target_lm.vocab_size, DEFAULT_STOP_CONFIDENCE)
     decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
 

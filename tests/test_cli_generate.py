@@ -165,3 +165,31 @@ def test_help_explains_the_options():
     assert result.exit_code == 0
     for option in ("--target", "--draft", "--k", "--temperature", "--json", "--stats", "ngram"):
         assert option in result.stdout
+
+
+def test_auto_k_calibrates_once_per_pair_and_recalibrates_on_request(folders, tmp_path):
+    env = {"SPECGEN_CACHE": str(tmp_path)}
+    args = ("generate", "abc", *model_args(folders), "-n", "8")
+    first = specgen(*args, env=env)
+    assert first.returncode == 0, first.stderr.decode()
+    assert "calibrating: timing target passes over 1-9 tokens and one draft token" in first.stderr.decode()
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+    second = specgen(*args, env=env)
+    assert second.returncode == 0 and "calibrat" not in second.stderr.decode()
+    assert second.stdout == first.stdout == reference_text(folders, "abc", 8).encode()
+    third = specgen(*args, "--recalibrate", env=env)
+    assert "calibrated in" in third.stderr.decode()
+    fixed = specgen(*args, "--k", "3", "--recalibrate", env=env)  # a fixed k needs no costs
+    assert fixed.returncode == 0 and "calibrat" not in fixed.stderr.decode()
+
+
+def test_the_draft_is_int8_on_the_cpu_unless_told_otherwise(folders, tmp_path):
+    env = {"SPECGEN_CACHE": str(tmp_path)}
+    base = ("generate", "abc", *model_args(folders), "-n", "8", "--json", "-q", "--k", "2")
+    quantized = json.loads(specgen(*base, env=env).stdout)
+    plain = json.loads(specgen(*base, "--draft-quant", "none", env=env).stdout)
+    assert quantized["text"] == plain["text"] == reference_text(folders, "abc", 8)
+    assert (quantized["settings"]["draft_quant"], plain["settings"]["draft_quant"]) == ("int8", "none")
+    bad = specgen(*base, "--draft-quant", "int8", "--draft-dtype", "bfloat16", env=env)
+    assert bad.returncode == 2
+    assert "computes in float32 around int8 weights, not in bfloat16" in bad.stderr.decode()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -132,3 +134,31 @@ def test_max_new_tokens_is_exact_even_when_a_step_could_overshoot(pairs, tokeniz
         finish = events[-1]
         assert isinstance(finish, FinishEvent)
         assert finish.reason is FinishReason.LENGTH and finish.new_tokens == max_new
+
+
+@pytest.mark.parametrize("pair_index", [0, 1])
+def test_early_stop_on_draft_confidence_keeps_the_output_and_shortens_drafts(pairs, tokenizer, references, pair_index):
+    pair = pairs[pair_index]
+    k = 3
+    decoder = SpeculativeDecoder(
+        wrap(pair.target), tokenizer, [EOS], ModelDrafter(wrap(pair.draft), len(tokenizer), stop_confidence=0.2)
+    )
+    short = full = 0
+    for prompt in PROMPTS:
+        events = list(
+            decoder.generate(encode(tokenizer, prompt), SamplingConfig(), SpecConfig(k=k, max_new_tokens=MAX_NEW))
+        )
+        assert emitted(events) == references[(pair.name, prompt)], prompt
+        drafted = [e.drafted for e in events if isinstance(e, StepEvent)][:-1]  # the last step may be cut by room
+        short += sum(1 for d in drafted if d < k)
+        full += sum(1 for d in drafted if d == k)
+    assert short > 0 and full > 0
+
+
+def test_forward_time_is_counted(pairs, tokenizer):
+    target = wrap(pairs[0].target)
+    assert target.forward_seconds == 0.0
+    decoder = SpeculativeDecoder(target, tokenizer, [EOS])
+    started = time.perf_counter()
+    list(decoder.generate(encode(tokenizer, "hello"), SamplingConfig(), SpecConfig(max_new_tokens=8)))
+    assert 0.0 < target.forward_seconds <= time.perf_counter() - started

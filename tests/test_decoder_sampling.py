@@ -20,7 +20,7 @@ from conftest import char_tokenizer, perturbed_copy, tiny_llama, wrap
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import ModelDrafter
-from speccli.engine.events import Provenance, TokenEvent
+from speccli.engine.events import Provenance, StepEvent, TokenEvent
 
 ALPHABET = "abcdefghijklm"  # 13 characters + 3 special tokens: a vocabulary of 16
 CONTINUATION = 3
@@ -80,26 +80,33 @@ def small_pair():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sampling",
+    "sampling, stop_confidence",
     [
-        SamplingConfig(temperature=1.0, seed=1234),
-        SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, seed=4321),
+        (SamplingConfig(temperature=1.0, seed=1234), 0.0),
+        (SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, seed=4321), 0.0),
+        # Stopping the draft after a token it was unsure of decides the draft length from
+        # the sampled tokens themselves: a stopping time, so the output stays exact.
+        (SamplingConfig(temperature=1.0, seed=2468), 0.12),
     ],
-    ids=["t1", "t0.7-topk6-topp0.9"],
+    ids=["t1", "t0.7-topk6-topp0.9", "t1-early-stop"],
 )
-def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sampling):
+def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sampling, stop_confidence):
     tokenizer, target, draft = small_pair
     vocab = len(tokenizer)
     prompt = tokenizer("abc", add_special_tokens=False)["input_ids"]
-    decoder = SpeculativeDecoder(wrap(target), tokenizer, [], ModelDrafter(wrap(draft), vocab))
+    drafter = ModelDrafter(wrap(draft), vocab, stop_confidence=stop_confidence)
+    decoder = SpeculativeDecoder(wrap(target), tokenizer, [], drafter)
     spec = SpecConfig(k=2, max_new_tokens=CONTINUATION)
     generator_seed = torch.Generator().manual_seed(sampling.seed)
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
     provenances = collections.Counter()
+    first_draft_lengths = collections.Counter()
     for _ in range(DRAWS):
         seed = int(torch.randint(0, 2**62, (1,), generator=generator_seed))
         run = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
-        tokens = [e for e in decoder.generate(prompt, run, spec) if isinstance(e, TokenEvent)]
+        events = list(decoder.generate(prompt, run, spec))
+        first_draft_lengths[next(e.drafted for e in events if isinstance(e, StepEvent))] += 1
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
         assert len(tokens) == CONTINUATION
         index = 0
         for event in tokens:
@@ -108,6 +115,10 @@ def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sa
         counts[index] += 1
     # Every branch of the rule was exercised.
     assert {Provenance.ACCEPTED, Provenance.RESAMPLED, Provenance.BONUS} <= set(provenances)
+    if stop_confidence:  # both stopped and full drafts happened
+        assert first_draft_lengths[1] > DRAWS / 20 and first_draft_lengths[2] > DRAWS / 20, first_draft_lengths
+    else:
+        assert set(first_draft_lengths) == {2}
     exact = exact_continuation_distribution(target, prompt, sampling)
     assert chi_square_pvalue(counts, exact) >= 1e-3
     # The test has power: the same draws are clearly not the draft's distribution.

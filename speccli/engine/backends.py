@@ -4,6 +4,7 @@ and forget the cache past a length. transformers is the first backend."""
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Protocol, Sequence
 
 import torch
@@ -46,6 +47,13 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _output_size(model: torch.nn.Module) -> int:
+    """Rows of the output layer (a quantized Linear's `weight` is a method, not a tensor)."""
+    head = model.get_output_embeddings()
+    size = getattr(head, "out_features", None)
+    return int(size) if size is not None else int(head.weight.shape[0])
+
+
 class HFCausalLM:
     """A transformers causal LM plus its DynamicCache.
 
@@ -57,7 +65,7 @@ class HFCausalLM:
         from transformers import DynamicCache
 
         self.model = model.eval()
-        self._vocab_size = vocab_size or int(model.get_output_embeddings().weight.shape[0])
+        self._vocab_size = vocab_size or _output_size(model)
         self._new_cache = lambda: DynamicCache(config=model.config)
         self._cache = self._new_cache()
         self._tokens: list[int] = []
@@ -66,6 +74,8 @@ class HFCausalLM:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in params
         self._device = next(model.parameters()).device
+        # Wall time spent inside forward(), for measuring the engine's own overhead.
+        self.forward_seconds = 0.0
 
     @property
     def vocab_size(self) -> int:
@@ -86,6 +96,7 @@ class HFCausalLM:
     def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
         if not token_ids:
             raise ValueError("forward() needs at least one token")
+        started = time.perf_counter()
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)
         kwargs = {self._cache_kwarg: self._cache, "use_cache": True}
         if not all_logits and self._supports_logits_to_keep:
@@ -103,7 +114,9 @@ class HFCausalLM:
         logits = out.logits[0]
         if not all_logits:
             logits = logits[-1:]
-        return logits.float()
+        logits = logits.float()
+        self.forward_seconds += time.perf_counter() - started
+        return logits
 
     def rollback(self, length: int) -> None:
         if length < 0:

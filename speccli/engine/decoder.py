@@ -14,6 +14,7 @@ import torch
 
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.backends import CausalLM, common_prefix_length
+from speccli.engine.calibration import CostProfile
 from speccli.engine.drafters import Draft, Drafter
 from speccli.engine.events import (
     Event,
@@ -55,11 +56,14 @@ class SpeculativeDecoder:
         tokenizer: Detokenizer,
         eos_token_ids: Sequence[int],
         drafter: Drafter | None = None,
+        costs: CostProfile | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.drafter = drafter
+        # Measured pass costs (a calibration) to start `k=auto` from, instead of exploring.
+        self.costs = costs
         # Kept across generations: what it learned about this machine's costs and the
         # draft's acceptance carries over from one prompt (or chat turn) to the next.
         self._adaptive: AdaptiveDraftLength | None = None
@@ -155,6 +159,8 @@ class SpeculativeDecoder:
             return FixedDraftLength(spec.k)
         if self._adaptive is None or self._adaptive.max_k != spec.max_k:
             self._adaptive = AdaptiveDraftLength(max_k=spec.max_k)
+            if self.costs is not None:
+                self._adaptive.costs.seed(self.costs.verify_seconds, self.costs.draft_seconds)
         return self._adaptive
 
     def _prefill(self, context: list[int]) -> int:

@@ -51,6 +51,15 @@ class StepCosts:
     draft_per_token: float | None = None
     _counts: dict[object, int] = field(default_factory=dict, repr=False)
 
+    def seed(self, verify: dict[int, float], draft_per_token: float | None, weight: int = 3) -> None:
+        """Start from measured costs (a calibration), worth `weight` online measurements each."""
+        for fed, seconds in verify.items():
+            self.verify[fed] = seconds
+            self._counts[fed] = weight
+        if draft_per_token is not None:
+            self.draft_per_token = draft_per_token
+            self._counts["draft"] = weight
+
     def observe(self, step: StepEvent) -> None:
         fed = step.drafted + 1
         self.verify[fed] = self._blend(fed, self.verify.get(fed), step.verify_seconds)

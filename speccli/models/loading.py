@@ -11,8 +11,10 @@ Choices worth knowing:
 * dtype ``auto``: bfloat16 on CUDA (float16 on GPUs without bf16); on the CPU
   bfloat16 only where the CPU multiplies bf16 natively, else float32 (see
   :func:`auto_cpu_dtype`).
-* quant ``auto``: NF4 4-bit on CUDA, none on the CPU. GGUF files are never
-  re-quantized: transformers dequantizes them to the dtype.
+* quant ``auto``: NF4 4-bit on CUDA. On the CPU none for a target, and PyTorch's
+  dynamic int8 for a draft (``LoadConfig.for_draft``): that halves a draft token's
+  cost there (see ``speccli.models.int8``). GGUF files are never re-quantized by
+  bitsandbytes: transformers dequantizes them to the dtype.
 * Hub models are looked up in the local Hugging Face cache first, without
   touching the network; only a model that is not (completely) cached is fetched.
   An offline machine thus loads cached models at once instead of retrying the Hub.
@@ -40,6 +42,7 @@ import torch
 from speccli.config import LoadConfig
 from speccli.models import offline
 from speccli.models.errors import ModelLoadError
+from speccli.models.int8 import int8_problem, quantize_int8
 from speccli.models.registry import ALIASES, ResolvedModel, resolve
 
 __all__ = [
@@ -252,14 +255,38 @@ def _bitsandbytes_problem() -> str | None:
     return None
 
 
-def choose_quant(requested: str, device: torch.device, *, gguf: bool = False) -> str:
-    """"none", "4bit" or "8bit". auto: 4bit on CUDA (none if bitsandbytes is missing), none on the CPU.
+def _int8_dtype(config: LoadConfig) -> torch.dtype:
+    """int8 layers take and give float32. An inherited --dtype (auto quant) yields to that;
+    an explicit --quant int8 with another dtype is a contradiction worth saying."""
+    if config.quant == "int8" and config.dtype not in ("auto", "float32"):
+        raise ModelLoadError(
+            f"--quant int8 computes in float32 around int8 weights, not in {config.dtype}",
+            hint="drop --dtype (or --draft-dtype) for this model, or use --quant none",
+        )
+    return torch.float32
 
-    A GGUF file is dequantized to the dtype, never re-quantized: auto and none give
-    "none", and an explicit 4bit/8bit is a ModelLoadError.
+
+def choose_quant(requested: str, device: torch.device, *, gguf: bool = False, draft: bool = False) -> str:
+    """"none", "4bit", "8bit" or "int8". auto: 4bit on CUDA (none if bitsandbytes is missing);
+    on the CPU, int8 (PyTorch dynamic) for a draft and none for a target.
+
+    A GGUF file is dequantized, never re-quantized by bitsandbytes: auto and none give
+    "none" (int8 for a draft on the CPU), and an explicit 4bit/8bit is a ModelLoadError.
     """
-    if requested not in ("auto", "none", "4bit", "8bit"):
-        raise ModelLoadError(f"unknown quantization {requested!r}", hint="use auto, 4bit, 8bit or none")
+    if requested not in ("auto", "none", "4bit", "8bit", "int8"):
+        raise ModelLoadError(f"unknown quantization {requested!r}", hint="use auto, 4bit, 8bit, int8 or none")
+    if requested == "int8":
+        if device.type != "cpu":
+            raise ModelLoadError(
+                "--quant int8 is PyTorch's dynamic int8 quantization, which runs on the CPU only",
+                hint="on CUDA use --quant 4bit or 8bit (bitsandbytes)",
+            )
+        problem = int8_problem()
+        if problem is not None:
+            raise ModelLoadError(f"--quant int8 is not available: {problem}", hint="use --quant none")
+        return "int8"
+    if requested == "auto" and draft and device.type == "cpu":
+        return "int8" if int8_problem() is None else "none"
     if gguf:
         if requested in ("auto", "none"):
             return "none"
@@ -541,8 +568,8 @@ def load_model(
     # Decide everything that can fail cheaply before assembling or loading anything.
     device = choose_device(config.device)
     peek = resolve(name, cache, assemble=False)
-    quant = choose_quant(config.quant, device, gguf=peek.is_gguf)
-    dtype = choose_dtype(config.dtype, device, quant)
+    quant = choose_quant(config.quant, device, gguf=peek.is_gguf, draft=config.for_draft)
+    dtype = _int8_dtype(config) if quant == "int8" else choose_dtype(config.dtype, device, quant)
     if config.quant == "auto" and device.type == "cuda" and quant == "none" and not peek.is_gguf:
         say(f"bitsandbytes is unavailable ({_bitsandbytes_problem()}): loading {name} unquantized")
     resolved = resolve(name, cache, progress, byte_progress=byte_progress) if peek.kind == "offline-package" else peek
@@ -559,15 +586,18 @@ def load_model(
             tokenizer = _from_pretrained(
                 AutoTokenizer.from_pretrained, resolved, {"trust_remote_code": config.trust_remote_code}
             )
-            what = f"quantizing to {quant}" if quant != "none" else dtype_name(dtype)
+            what = f"quantizing to {quant}" if quant in ("4bit", "8bit") else dtype_name(dtype)
             say(f"loading {name} ({resolved.description}): {what} on {device}")
         model = _from_pretrained(
             AutoModelForCausalLM.from_pretrained,
             resolved,
             _model_kwargs(resolved, dtype, quant, device, config.trust_remote_code),
         )
-        if quant == "none" and device.type != "cuda":
+        if quant in ("none", "int8") and device.type != "cuda":
             model = model.to(device)
+        if quant == "int8":
+            say(f"quantizing {name} to int8 (dynamic, for the CPU)")
+            model = quantize_int8(model)
     except ModelLoadError:
         raise
     except Exception as exc:
@@ -584,6 +614,6 @@ def load_model(
         tokenizer=tokenizer,
         device=device,
         dtype=dtype,
-        quant=f"gguf→{dtype_name(dtype)}" if resolved.is_gguf else quant,
+        quant=(f"gguf→{'int8' if quant == 'int8' else dtype_name(dtype)}" if resolved.is_gguf else quant),
         load_seconds=time.perf_counter() - started,
     )

@@ -1,0 +1,128 @@
+"""Calibrate a loaded pipeline's pass costs once per model pair and device, and keep the
+result on disk (``<cache>/calibration/<key>.json``) so later sessions start from it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from speccli.engine.calibration import CostProfile, measure_costs
+from speccli.engine.drafters import ModelDrafter
+from speccli.models import offline
+from speccli.models.loading import LoadedModel, dtype_name
+from speccli.pipeline import Pipeline
+
+FORMAT = 1
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _model_identity(model: LoadedModel) -> dict[str, str]:
+    return {
+        "name": model.name,
+        "location": f"{model.resolved.location}/{model.resolved.gguf_file or ''}",
+        "dtype": dtype_name(model.dtype),
+        "quant": model.quant,
+        "device": str(model.device),
+    }
+
+
+def calibration_identity(pipeline: Pipeline, max_fed: int) -> dict[str, Any]:
+    """Everything the measured costs depend on: the models as loaded, the drafter, the
+    hardware, the threads and the library versions."""
+    import transformers
+
+    device = pipeline.target.device
+    return {
+        "format": FORMAT,
+        "target": _model_identity(pipeline.target),
+        "draft": _model_identity(pipeline.draft) if pipeline.draft else pipeline.drafter_name,
+        "max_fed": max_fed,
+        "hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def calibration_path(identity: dict[str, Any], cache_dir: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    root = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
+    return root / "calibration" / f"{digest}.json"
+
+
+def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("identity") != identity:
+            return None
+        return CostProfile.from_dict(data["costs"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # missing or damaged: measure again
+
+
+def _write(path: Path, identity: dict[str, Any], costs: CostProfile) -> None:
+    payload = {"identity": identity, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "costs": costs.as_dict()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+            json.dump(payload, handle, indent=2)
+        os.replace(handle.name, path)
+    except OSError:
+        pass  # a read-only cache only costs a calibration next time
+
+
+def calibrate(
+    pipeline: Pipeline,
+    max_k: int,
+    progress: Callable[[str], None] | None = None,
+    refresh: bool = False,
+    cache_dir: Path | None = None,
+) -> CostProfile | None:
+    """Give the pipeline's decoder measured costs for `k=auto`: from the cache, else by
+    measuring now (a few seconds) and caching. None when there is no drafter."""
+    decoder = pipeline.decoder
+    if decoder.drafter is None:
+        return None
+    say = progress or (lambda message: None)
+    max_fed = max_k + 1
+    identity = calibration_identity(pipeline, max_fed)
+    path = calibration_path(identity, cache_dir)
+    costs = None if refresh else _read(path, identity)
+    if costs is None:
+        say(f"calibrating: timing target passes over 1-{max_fed} tokens and one draft token"
+            " (once per model pair and device)")
+        started = time.perf_counter()
+        draft_model = decoder.drafter.model if isinstance(decoder.drafter, ModelDrafter) else None
+        costs = measure_costs(decoder.target, draft_model, max_fed)
+        _write(path, identity, costs)
+        say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(costs)}")
+    decoder.costs = costs
+    return costs
+
+
+def describe(costs: CostProfile) -> str:
+    sizes = sorted(costs.verify_seconds)
+    first, last = sizes[0], sizes[-1]
+    text = (f"a target pass costs {costs.verify_seconds[first] * 1000:.0f} ms for {first} token(s),"
+            f" {costs.verify_seconds[last] * 1000:.0f} ms for {last}")
+    if costs.draft_seconds is not None:
+        text += f"; a draft token {costs.draft_seconds * 1000:.0f} ms"
+    return text

@@ -1,0 +1,91 @@
+"""A short upfront measurement of what one verification pass and one draft token cost.
+
+The adaptive draft length weighs expected tokens against seconds. Learning the seconds
+online means paying for every untried draft length once, in every new session; on a
+machine where a pass over several tokens costs several times a pass over one (float32
+on a CPU), that exploration alone loses to plain decoding. So the costs are measured
+once per model pair and device (a few seconds), cached, and seed the policy, which then
+keeps refining them from the steps it runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from speccli.engine.backends import CausalLM
+
+CONTEXT_TOKENS = 64  # a typical prompt's worth of cache: attention cost is part of a pass
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Seconds of one target pass by number of tokens fed, and of one draft token
+    (None when drafting costs no model pass)."""
+
+    verify_seconds: dict[int, float]
+    draft_seconds: float | None
+
+    def as_dict(self) -> dict:
+        return {
+            "verify_seconds": {str(fed): seconds for fed, seconds in sorted(self.verify_seconds.items())},
+            "draft_seconds": self.draft_seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostProfile:
+        verify = {int(fed): float(seconds) for fed, seconds in data["verify_seconds"].items()}
+        if not verify or any(fed < 1 or seconds <= 0 for fed, seconds in verify.items()):
+            raise ValueError("verify_seconds needs positive seconds for sizes >= 1")
+        draft = data.get("draft_seconds")
+        if draft is not None and float(draft) <= 0:
+            raise ValueError("draft_seconds must be positive")
+        return cls(verify, None if draft is None else float(draft))
+
+
+def _filler(vocab_size: int, count: int) -> list[int]:
+    # Which ids are fed does not change what a pass costs; spread them over the vocabulary.
+    return [(7919 * i + 11) % vocab_size for i in range(count)]
+
+
+def _median_seconds(model: CausalLM, settled: int, tokens: Sequence[int], repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first of each size warms the kernels for that shape
+        started = time.perf_counter()
+        model.forward(tokens, all_logits=len(tokens) > 1)
+        times.append(time.perf_counter() - started)
+        model.rollback(settled)
+    return statistics.median(times[1:])
+
+
+def measure_costs(
+    target: CausalLM,
+    draft: CausalLM | None,
+    max_fed: int,
+    repeats: int = 2,
+    context_tokens: int = CONTEXT_TOKENS,
+) -> CostProfile:
+    """Time target passes over 1..max_fed new tokens and a one-token draft pass, each on
+    top of `context_tokens` cached tokens. Both caches are empty afterwards."""
+    if max_fed < 1 or repeats < 1:
+        raise ValueError(f"need max_fed >= 1 and repeats >= 1, got {max_fed}, {repeats}")
+    context = _filler(target.vocab_size, context_tokens + max_fed)
+    prompt, fed_tokens = context[:context_tokens], context[context_tokens:]
+    try:
+        target.rollback(0)
+        target.forward(prompt, all_logits=False)
+        verify = {
+            fed: _median_seconds(target, len(prompt), fed_tokens[:fed], repeats) for fed in range(1, max_fed + 1)
+        }
+        draft_seconds = None
+        if draft is not None:
+            draft.rollback(0)
+            draft.forward(prompt, all_logits=False)
+            draft_seconds = _median_seconds(draft, len(prompt), fed_tokens[:1], repeats)
+    finally:
+        target.rollback(0)
+        if draft is not None:
+            draft.rollback(0)
+    return CostProfile(verify, draft_seconds)

