@@ -184,11 +184,12 @@ def fmt(value, spec: str = ".2f") -> str:
 
 def run_dtype(dtype: str, args, prompts) -> dict:
     methods = args.methods
-    config = LoadConfig(dtype=dtype)
+    config = LoadConfig(device=args.device, dtype=dtype, quant=args.quant)
     started = time.perf_counter()
     target = load_model(args.target, config, progress=log)
     draft = load_model(args.draft, config, progress=log)
-    spec_draft = load_model(args.draft, LoadConfig(dtype=dtype, for_draft=True), progress=log)
+    spec_draft = load_model(args.draft, LoadConfig(device=args.device, dtype=dtype, quant=args.quant, for_draft=True),
+                            progress=log)
     check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
     load_seconds = time.perf_counter() - started
     log(f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; specgen's draft: {spec_draft.describe()}")
@@ -282,6 +283,10 @@ def main() -> int:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--quant", default="auto",
+                        help="for target and drafts: auto (4-bit on CUDA, none on the CPU; specgen's draft: int8 on"
+                             " the CPU), none, 4bit, 8bit")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--limit", type=int, default=None,
                         help="take N prompts, one category after another (file order within each)")

@@ -321,7 +321,7 @@ def test_load_gguf_file(tiny_gguf_file, cache, monkeypatch):
     loaded = load_model(str(path), LoadConfig(device="cpu", dtype="float32"), messages.append, cache)
     assert (loaded.resolved.kind, loaded.quant, loaded.dtype) == ("gguf-file", "gguf→float32", torch.float32)
     assert loaded.vocab_size == len(GGUF_TOKENS) == loaded.model.config.vocab_size
-    assert loaded.eos_token_ids == [EOS]
+    assert loaded.eos_token_ids == [EOS, GGUF_TOKENS.index("<|endoftext|>")]  # an end-of-generation token too
     ids = torch.tensor([[5, 6, 7, 8, 3]])
     with torch.no_grad():  # F32 GGUF: the weights survive the round trip exactly
         assert torch.equal(loaded.model(ids).logits, source(ids).logits)
@@ -577,3 +577,12 @@ def test_eos_token_ids(generation_eos, tokenizer_eos, expected):
     loaded = LoadedModel("m", ResolvedModel("local-folder", "/x", None, "x"), model, _Obj(eos_token_id=tokenizer_eos),
                          CPU, torch.float32, "none", 0.0)
     assert loaded.eos_token_ids == expected
+
+
+def test_end_of_generation_tokens_stop_whatever_the_config_names():
+    # Qwen2.5's GGUF names <|im_end|> only; a completion ends with <|endoftext|>.
+    vocab = {"<|endoftext|>": 151643, "<|im_end|>": 151645, "<|fim_prefix|>": 151659}
+    model = _Obj(generation_config=_Obj(eos_token_id=151645), config=_Obj(eos_token_id=None))
+    tokenizer = _Obj(eos_token_id=151645, get_added_vocab=lambda: vocab)
+    loaded = LoadedModel("m", ResolvedModel("local-folder", "/x", None, "x"), model, tokenizer, CPU, torch.float32, "none", 0.0)
+    assert loaded.eos_token_ids == [151645, 151643]

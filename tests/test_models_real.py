@@ -41,6 +41,7 @@ def test_loads_from_the_offline_package(smollm2):
     assert loaded.vocab_size == 49152 == loaded.model.config.vocab_size
     assert loaded.tokenizer.eos_token == "<|im_end|>"
     assert 2 in loaded.eos_token_ids  # <|im_end|>
+    assert loaded.tokenizer.convert_tokens_to_ids("<|endoftext|>") in loaded.eos_token_ids
     assert not loaded.model.training
     assert any(m.startswith("verifying smollm2-135m") for m in messages)
     assert any("dequantizing" in m for m in messages)

@@ -68,6 +68,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Special tokens that end a generation whatever the config names, as llama.cpp treats them (its
+# end-of-generation list). GGUF files often name one eos id only: Qwen2.5's names <|im_end|> but not
+# <|endoftext|>, so a completion prompt ran on past the end of its text into unrelated code.
+END_OF_GENERATION_TOKENS = (
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
+    "<end_of_turn>", "<|return|>", "<|call|>", "<EOT>", "<｜end▁of▁sentence｜>",
+)
+
+
 @dataclass
 class LoadedModel:
     """A model ready to decode with: eval mode, on ``device``."""
@@ -83,7 +92,8 @@ class LoadedModel:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """Every id that ends a generation: the generation config's (int or list), then the tokenizer's."""
+        """Every id that ends a generation: the generation config's (int or list), the tokenizer's,
+        then any of END_OF_GENERATION_TOKENS the tokenizer has as an added token."""
         ids: list[int] = []
         generation_config = getattr(self.model, "generation_config", None)
         configured = getattr(generation_config, "eos_token_id", None)
@@ -96,6 +106,8 @@ class LoadedModel:
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         if tokenizer_eos is not None:
             ids.append(int(tokenizer_eos))
+        added = getattr(self.tokenizer, "get_added_vocab", dict)()
+        ids.extend(int(added[text]) for text in END_OF_GENERATION_TOKENS if text in added)
         return list(dict.fromkeys(ids))
 
     @property
