@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-from speccli.bench import encode_bench_prompt, load_prompts
+from speccli.bench import encode_bench_prompt, first_difference, load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.engine.backends import HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.calibration_cache import describe
-from speccli.engine.calibration import measure_costs
+from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, ModelDrafter, PromptLookupDrafter
 from speccli.engine.events import StepEvent, TokenEvent
 from speccli.models.compat import check_tokenizers_compatible
@@ -59,13 +59,6 @@ def strip_eos(tokens: list[int], eos: set[int]) -> list[int]:
     """specgen emits no end-of-sequence token; transformers keeps it. Compare without it."""
     cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
     return tokens[:cut]
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 class Bench:
@@ -92,8 +85,9 @@ class Bench:
             log(f"calibration: {describe(costs)}")
         self.decoders = {
             "specgen-draft": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs), self.draft_drafter),
+            # Prompt lookup costs no draft pass: the same verification costs, no draft cost.
             "specgen-ngram": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
-                                                 measure_costs(target_lm, None, SpecConfig().max_k + 1) if k == "auto" else None),
+                                                 CostProfile(costs.verify_seconds, None) if costs else None),
                               self.ngram_drafter),
         }
 

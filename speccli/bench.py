@@ -612,7 +612,8 @@ class BenchProgress:
         return f"{where}: " + ("n/a" if speedup is None else f"{speedup:.2f}x")
 
 
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where two token lists differ (a length difference counts), or None."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
@@ -707,7 +708,7 @@ class BenchRunner:
                 return row
             setattr(row, method, result)
         if sampling.greedy:
-            position = _first_difference(row.plain.token_ids, row.spec.token_ids)
+            position = first_difference(row.plain.token_ids, row.spec.token_ids)
             row.identical = position is None
             if position is not None:
                 row.mismatch_position = position
@@ -792,6 +793,7 @@ __all__ = [
     "Spread",
     "encode_bench_prompt",
     "environment",
+    "first_difference",
     "load_prompts",
     "mismatch_message",
     "parse_k_list",

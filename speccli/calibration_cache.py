@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -17,20 +16,10 @@ import torch
 from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import ModelDrafter
 from speccli.models import offline
-from speccli.models.loading import LoadedModel, dtype_name
+from speccli.models.loading import LoadedModel, cpu_name, dtype_name
 from speccli.pipeline import Pipeline
 
 FORMAT = 1
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _model_identity(model: LoadedModel) -> dict[str, str]:
@@ -54,7 +43,7 @@ def calibration_identity(pipeline: Pipeline, max_fed: int) -> dict[str, Any]:
         "target": _model_identity(pipeline.target),
         "draft": _model_identity(pipeline.draft) if pipeline.draft else pipeline.drafter_name,
         "max_fed": max_fed,
-        "hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

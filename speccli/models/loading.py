@@ -29,6 +29,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import tempfile
 import time
@@ -52,6 +53,7 @@ __all__ = [
     "choose_dtype",
     "choose_quant",
     "cpu_has_fast_bf16",
+    "cpu_name",
     "load_model",
 ]
 
@@ -162,15 +164,25 @@ def choose_device(requested: str) -> torch.device:
     raise ModelLoadError(f"unknown device {requested!r}", hint="use auto, cpu, cuda or cuda:N")
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo_field(name: str) -> str | None:
+    """The first value of a /proc/cpuinfo field (Linux), else None."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    return set((_cpuinfo_field("flags") or "").split())
+
+
+def cpu_name() -> str:
+    """The processor's model name, for records of where something was measured."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 @functools.lru_cache(maxsize=None)
