@@ -15,6 +15,13 @@ prompt, so slow drift of the machine hits every method alike):
                     the CPU), k auto from a calibration made before timing, early stop on the
                     draft's confidence
   specgen-ngram     specgen's SpeculativeDecoder with PromptLookupDrafter
+  specgen-plain     specgen's decode loop with no drafter (k = 0): what specgen's loading alone gives,
+                    so that specgen-draft / specgen-plain is the gain of speculation alone
+
+transformers' methods run on the models with PyTorch's stock kernels, as transformers
+loads them; specgen's run as specgen loads them: in float32 on the CPU, its linear layers
+run through oneDNN (speccli.models.onednn; the same weights, switched in place before
+each method's run, outside its timing).
 
 Tokens/s is new tokens / wall time of the whole call, prefill included, for every method
 (specgen's caches are emptied before each run, so it prefills the whole prompt as
@@ -45,8 +52,10 @@ from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, ModelDrafter, Promp
 from speccli.engine.events import StepEvent, TokenEvent
 from speccli.models.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
+from speccli.models.onednn import set_onednn_linear
 
-METHODS = ("hf-plain", "hf-assisted", "hf-assisted-int8", "hf-prompt-lookup", "specgen-draft", "specgen-ngram")
+METHODS = ("hf-plain", "hf-assisted", "hf-assisted-int8", "hf-prompt-lookup", "specgen-draft", "specgen-ngram",
+           "specgen-plain")
 WARMUP_TOKENS = 8
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "default.jsonl"
 
@@ -89,7 +98,9 @@ class Bench:
             "specgen-ngram": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
                                                  CostProfile(costs.verify_seconds, None) if costs else None),
                               self.ngram_drafter),
+            "specgen-plain": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos), None),
         }
+        self.specgen_linear = target.linear
 
     def _hf(self, method: str, ids: list[int], max_new: int) -> tuple[list[int], dict]:
         from transformers import GenerationConfig
@@ -116,7 +127,8 @@ class Bench:
     def _spec(self, method: str, ids: list[int], max_new: int) -> tuple[list[int], dict]:
         decoder, drafter = self.decoders[method]
         self.target_lm.rollback(0)
-        drafter.rollback(0)
+        if drafter is not None:
+            drafter.rollback(0)
         tokens, steps = [], []
         spec = SpecConfig(k=self.k, max_new_tokens=max_new)
         models = [self.target_lm] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
@@ -143,7 +155,10 @@ class Bench:
         }
 
     def run(self, method: str, ids: list[int], max_new: int) -> dict:
-        runner = self._spec if method.startswith("specgen") else self._hf
+        specgen = method.startswith("specgen")
+        runner = self._spec if specgen else self._hf
+        if self.specgen_linear == "onednn":
+            set_onednn_linear(self.model, enabled=specgen)
         started = time.perf_counter()
         tokens, extra = runner(method, ids, max_new)
         seconds = time.perf_counter() - started
@@ -181,12 +196,14 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     config = LoadConfig(device=args.device, dtype=dtype, quant=args.quant)
     started = time.perf_counter()
     target = load_model(args.target, config, progress=log)
-    draft = load_model(args.draft, config, progress=log)
+    # The draft transformers' assisted generation gets: loaded as transformers would, stock kernels.
+    draft = load_model(args.draft, LoadConfig(device=args.device, dtype=dtype, quant=args.quant, cpu_linear="stock"),
+                       progress=log)
     spec_draft = load_model(args.draft, LoadConfig(device=args.device, dtype=dtype, quant=args.quant, for_draft=True),
                             progress=log)
     check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
     load_seconds = time.perf_counter() - started
-    log(f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; specgen's draft: {spec_draft.describe()}")
+    log(f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; target: {target.describe()}; specgen's draft: {spec_draft.describe()}")
     bench = Bench(target, draft, spec_draft, args.k)
     encoded = [(p, encode_bench_prompt(target.tokenizer, p)) for p in prompts]
 
@@ -233,7 +250,7 @@ def run_dtype(dtype: str, args, prompts) -> dict:
 
     medians = {m: statistics.median(r["methods"][m]["tokens_per_second"] for r in rows) for m in methods}
     pairs = [(a, b) for a in ("specgen-draft", "specgen-ngram") for b in ("hf-plain", "hf-assisted", "hf-prompt-lookup")]
-    pairs += [("specgen-draft", "hf-assisted-int8")]
+    pairs += [("specgen-draft", "hf-assisted-int8"), ("specgen-draft", "specgen-plain"), ("specgen-plain", "hf-plain")]
     pairs += [(a, "hf-plain") for a in ("hf-assisted", "hf-assisted-int8", "hf-prompt-lookup")]
     ratios = {f"{a} / {b}": medians[a] / medians[b] if medians[b] else None
               for a, b in pairs if a in medians and b in medians}

@@ -28,6 +28,7 @@ def _model_identity(model: LoadedModel) -> dict[str, str]:
         "location": f"{model.resolved.location}/{model.resolved.gguf_file or ''}",
         "dtype": dtype_name(model.dtype),
         "quant": model.quant,
+        "linear": model.linear,
         "device": str(model.device),
     }
 

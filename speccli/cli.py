@@ -71,16 +71,18 @@ class ModelOptions:
     draft_dtype: Optional[str]
     draft_quant: Optional[str]
     trust_remote_code: bool
+    cpu_linear: str = "auto"
 
     def configs(self) -> tuple[LoadConfig, LoadConfig]:
         try:
-            target = LoadConfig(self.device, self.dtype, self.quant, self.trust_remote_code)
+            target = LoadConfig(self.device, self.dtype, self.quant, self.trust_remote_code, cpu_linear=self.cpu_linear)
             draft = LoadConfig(
                 self.draft_device or self.device,
                 self.draft_dtype or self.dtype,
                 self.draft_quant or self.quant,
                 self.trust_remote_code,
                 for_draft=True,
+                cpu_linear=self.cpu_linear,
             )
         except ValueError as error:
             raise UsageError(str(error)) from None
@@ -168,6 +170,7 @@ QuantOpt = Annotated[str, typer.Option("--quant", help="auto (4-bit on CUDA; on 
 DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="Device for the draft (default: --device).")]
 DraftDtypeOpt = Annotated[Optional[str], typer.Option("--draft-dtype", help="dtype for the draft (default: --dtype).")]
 DraftQuantOpt = Annotated[Optional[str], typer.Option("--draft-quant", help="Quantization for the draft (default: --quant). int8 halves a CPU draft token's cost; the output stays the target's own.")]
+CpuLinearOpt = Annotated[str, typer.Option("--cpu-linear", help="auto: float32 linear layers on the CPU run through oneDNN (same float32 math, passes 1.5-2.5x faster than PyTorch's default there); stock: PyTorch's default kernels.")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
 RecalibrateOpt = Annotated[bool, typer.Option("--recalibrate", help="Time target and draft passes again for --k auto instead of using the cached calibration for this model pair and device.")]
@@ -193,6 +196,7 @@ def generate(
     draft_dtype: DraftDtypeOpt = None,
     draft_quant: DraftQuantOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    cpu_linear: CpuLinearOpt = "auto",
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, provenance, statistics) instead of the text."),
     stats: bool = typer.Option(False, "--stats", help="Print statistics to stderr when done."),
     recalibrate: RecalibrateOpt = False,
@@ -204,7 +208,7 @@ def generate(
     """
     options = ModelOptions(
         target or _default_target(), draft or _default_draft(), device, dtype, quant,
-        draft_device, draft_dtype, draft_quant, trust_remote_code,
+        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear,
     )
 
     def body() -> int:
@@ -272,6 +276,7 @@ def _stream_generation(
             "dtype": dtype_name(pipeline.target.dtype),
             "device": str(pipeline.target.device), "quant": pipeline.target.quant,
             "draft_quant": pipeline.draft.quant if pipeline.draft else None,
+            "linear": pipeline.target.linear,
         }
         payload["stats"] = figures.as_dict()
         dump_json(payload, sys.stdout)
@@ -307,13 +312,14 @@ def chat(
     draft_dtype: DraftDtypeOpt = None,
     draft_quant: DraftQuantOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    cpu_linear: CpuLinearOpt = "auto",
     no_color: bool = typer.Option(False, "--no-color", help="No colours (also off when NO_COLOR is set or stdout is not a terminal)."),
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     options = ModelOptions(
         target or _default_target(), draft or _default_draft(), device, dtype, quant,
-        draft_device, draft_dtype, draft_quant, trust_remote_code,
+        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear,
     )
 
     def body() -> int:
@@ -367,6 +373,7 @@ def bench(
     draft_dtype: DraftDtypeOpt = None,
     draft_quant: DraftQuantOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    cpu_linear: CpuLinearOpt = "auto",
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -378,7 +385,7 @@ def bench(
     """
     options = ModelOptions(
         target or _default_target(), draft or _default_draft(), device, dtype, quant,
-        draft_device, draft_dtype, draft_quant, trust_remote_code,
+        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear,
     )
 
     def body() -> int:

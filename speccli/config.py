@@ -78,6 +78,7 @@ class SpecConfig:
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTS = ("auto", "4bit", "8bit", "int8", "none")
+CPU_LINEAR = ("auto", "stock")
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class LoadConfig:
     dtype: auto picks what runs fastest where the model runs; else the weights' dtype.
     quant: auto means bitsandbytes NF4 4-bit on CUDA; on the CPU, none for a target and
     PyTorch's dynamic int8 for a draft (`for_draft`), whose speed is what matters there.
+    cpu_linear: auto runs float32 linear layers on the CPU through oneDNN (see
+    speccli.models.onednn); stock keeps PyTorch's default kernels.
     """
 
     device: str = "auto"
@@ -95,6 +98,7 @@ class LoadConfig:
     quant: str = "auto"
     trust_remote_code: bool = False
     for_draft: bool = False
+    cpu_linear: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -103,3 +107,5 @@ class LoadConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quant not in QUANTS:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
+        if self.cpu_linear not in CPU_LINEAR:
+            raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR)}, got {self.cpu_linear!r}")

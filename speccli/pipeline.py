@@ -45,6 +45,7 @@ class Pipeline:
             "device": str(self.target.device),
             "quant": self.target.quant,
             "draft_quant": self.draft.quant if self.draft else "none",
+            "linear": self.target.linear,
         }
 
 

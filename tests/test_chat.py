@@ -468,7 +468,7 @@ def test_run_chat_refuses_bad_settings_and_models_without_a_template(models):
     def Fake(tok):
         from speccli.pipeline import Pipeline
 
-        loaded = type("T", (), {"name": "tiny", "dtype": torch.float32, "device": "cpu", "quant": "none", "tokenizer": tok})()
+        loaded = type("T", (), {"name": "tiny", "dtype": torch.float32, "device": "cpu", "quant": "none", "linear": "stock", "tokenizer": tok})()
         return Pipeline(loaded, None, "none", SpeculativeDecoder(HFCausalLM(target), tok, [EOS]))
 
     with pytest.raises(UsageError, match="^tiny has no chat template, so it cannot chat$"):

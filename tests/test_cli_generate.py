@@ -119,6 +119,7 @@ def invoke(args: list[str], stdin: bytes | str = b""):
         (["generate", "hi", "--top-p", "0"], b"", "error: top_p must be in (0, 1], got 0.0"),
         (["generate", "hi", "-n", "0"], b"", "error: max_new_tokens must be >= 1, got 0"),
         (["generate", "hi", "--dtype", "float8"], b"", "error: dtype must be one of auto, float32, bfloat16, float16, got 'float8'"),
+        (["generate", "hi", "--cpu-linear", "mkl"], b"", "error: cpu_linear must be one of auto, stock, got 'mkl'"),
         (["generate"], b"caf\xe9\n", "error: standard input is not valid UTF-8 (byte 3)"),
     ],
 )
@@ -190,6 +191,9 @@ def test_the_draft_is_int8_on_the_cpu_unless_told_otherwise(folders, tmp_path):
     plain = json.loads(specgen(*base, "--draft-quant", "none", env=env).stdout)
     assert quantized["text"] == plain["text"] == reference_text(folders, "abc", 8)
     assert (quantized["settings"]["draft_quant"], plain["settings"]["draft_quant"]) == ("int8", "none")
+    assert (quantized["settings"]["linear"], plain["settings"]["linear"]) == ("onednn", "onednn")
+    stock = json.loads(specgen(*base, "--cpu-linear", "stock", env=env).stdout)
+    assert stock["settings"]["linear"] == "stock" and stock["text"] == quantized["text"]
     bad = specgen(*base, "--draft-quant", "int8", "--draft-dtype", "bfloat16", env=env)
     assert bad.returncode == 2
     assert "computes in float32 around int8 weights, not in bfloat16" in bad.stderr.decode()

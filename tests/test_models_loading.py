@@ -28,6 +28,7 @@ from speccli.models.loading import (
     choose_quant,
     load_model,
 )
+from speccli.models.onednn import OneDnnLinear, set_onednn_linear
 from speccli.models.registry import ResolvedModel
 from test_models_registry import GGUF_TOKENS, write_tiny_gguf
 
@@ -179,9 +180,11 @@ def test_load_local_folder(folder, tok, cache, dtype):
     assert loaded.tokenizer.get_vocab() == tok.get_vocab()
     assert loaded.load_seconds > 0
     assert any(m.startswith(f"loading {folder}") for m in messages)
-    assert loaded.describe().startswith(f"{folder}: local-folder, {dtype} on cpu, loaded in ")
+    linear = ", oneDNN linear" if dtype == "float32" else ""
+    assert loaded.describe().startswith(f"{folder}: local-folder, {dtype}{linear} on cpu, loaded in ")
     if dtype == "float32":
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        set_onednn_linear(reference)  # the same kernels, so the same weights give equal logits
         ids = torch.tensor([encode(tok, "hello")])
         with torch.no_grad():
             assert torch.equal(loaded.model(ids).logits, reference(ids).logits)
@@ -267,7 +270,8 @@ def test_quantized_on_cpu_decodes_losslessly(quant_pair, cache, quant, layer_cla
             projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                            layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
             assert all(type(p) is expected for p in projections)
-        assert type(loaded.model.lm_head) is torch.nn.Linear  # bitsandbytes keeps the head in full precision
+        # bitsandbytes keeps the head in full precision: a float32 nn.Linear, which runs through oneDNN.
+        assert type(loaded.model.lm_head) is OneDnnLinear
     weight = target.model.model.layers[0].self_attn.q_proj.weight
     assert weight.dtype is (torch.uint8 if quant == "4bit" else torch.int8)
 

@@ -44,6 +44,7 @@ from speccli.config import LoadConfig
 from speccli.models import offline
 from speccli.models.errors import ModelLoadError
 from speccli.models.int8 import int8_problem, quantize_int8
+from speccli.models.onednn import onednn_problem, set_onednn_linear
 from speccli.models.registry import ALIASES, ResolvedModel, resolve
 
 __all__ = [
@@ -91,6 +92,7 @@ class LoadedModel:
     dtype: torch.dtype
     quant: str  # "none", "4bit", "8bit" or "gguf→<dtype>"
     load_seconds: float
+    linear: str = "stock"  # "onednn" when float32 linear layers run through oneDNN
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -119,10 +121,11 @@ class LoadedModel:
 
     def describe(self) -> str:
         """One line for status output, e.g.
-        ``smollm2-135m: offline-package, float32 (gguf→float32) on cpu, loaded in 10.8 s``."""
+        ``smollm2-135m: offline-package, float32 (gguf→float32), oneDNN linear on cpu, loaded in 10.8 s``."""
         quant = "" if self.quant == "none" else f" ({self.quant})"
+        linear = ", oneDNN linear" if self.linear == "onednn" else ""
         return (
-            f"{self.name}: {self.resolved.kind}, {dtype_name(self.dtype)}{quant} on {self.device},"
+            f"{self.name}: {self.resolved.kind}, {dtype_name(self.dtype)}{quant}{linear} on {self.device},"
             f" loaded in {self.load_seconds:.1f} s"
         )
 
@@ -630,6 +633,10 @@ def load_model(
             raise
         raise explained from exc
     model.eval()
+    linear = "stock"
+    if device.type == "cpu" and config.cpu_linear == "auto" and onednn_problem() is None:
+        if set_onednn_linear(model):
+            linear = "onednn"
 
     return LoadedModel(
         name=name,
@@ -640,4 +647,5 @@ def load_model(
         dtype=dtype,
         quant=(f"gguf→{'int8' if quant == 'int8' else dtype_name(dtype)}" if resolved.is_gguf else quant),
         load_seconds=time.perf_counter() - started,
+        linear=linear,
     )

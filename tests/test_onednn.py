@@ -1,0 +1,110 @@
+"""float32 linear layers through oneDNN on the CPU: the same modules and weights, float32
+results up to rounding, greedy output still exactly the stock target's, and a quiet
+fallback wherever oneDNN cannot serve."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import save_model_folder, tiny_llama, wrap
+from speccli.config import LoadConfig, SamplingConfig, SpecConfig
+from speccli.engine.decoder import SpeculativeDecoder
+from speccli.engine.drafters import ModelDrafter
+from speccli.engine.events import TokenEvent
+from speccli.models import loading
+from speccli.models.loading import load_model
+from speccli.models.onednn import OneDnnLinear, onednn_problem, set_onednn_linear, uses_onednn_linear
+
+PROMPTS = ["def fib(n):", "hello world", "abcabcabc", "1, 2, 3,", "The quick brown fox"]
+
+
+def linear_count(model: torch.nn.Module) -> int:
+    return sum(isinstance(module, torch.nn.Linear) for module in model.modules())
+
+
+def test_this_pytorch_runs_float32_linear_through_onednn():
+    assert onednn_problem() is None
+
+
+def test_switching_keeps_modules_and_weights_and_float32_results():
+    model = tiny_llama(60, seed=3)
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7]])
+    with torch.inference_mode():
+        stock = model(ids).logits
+    weights = {name: param for name, param in model.named_parameters()}
+    modules = list(model.modules())
+
+    assert set_onednn_linear(model) == linear_count(model) == 2 * 7 + 1  # 7 per layer, plus the head
+    assert type(model.lm_head) is OneDnnLinear and uses_onednn_linear(model)
+    assert list(model.modules()) == modules
+    assert all(param is weights[name] for name, param in model.named_parameters())
+    with torch.inference_mode():
+        fast = model(ids).logits
+    torch.testing.assert_close(fast, stock, rtol=1e-5, atol=1e-5)
+
+    assert set_onednn_linear(model, enabled=False) == 15
+    assert type(model.lm_head) is torch.nn.Linear and not uses_onednn_linear(model)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, stock)  # switching back is exact
+
+
+def test_autograd_and_other_dtypes_keep_nn_linears_path():
+    layer = torch.nn.Linear(8, 4)
+    set_onednn_linear(layer)
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()  # the oneDNN op has no backward: nn.Linear's path served it
+    assert x.grad is not None and layer.weight.grad is not None
+    half = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    assert set_onednn_linear(half) == 0 and type(half) is torch.nn.Linear
+
+
+def greedy_tokens(decoder: SpeculativeDecoder, prompt_ids: list[int], n: int) -> list[int]:
+    events = decoder.generate(prompt_ids, SamplingConfig(), SpecConfig(k="auto", max_new_tokens=n))
+    return [event.token_id for event in events if isinstance(event, TokenEvent)]
+
+
+@pytest.mark.parametrize("pair_index", [0, 1])
+def test_greedy_speculative_output_on_onednn_equals_the_stock_targets_own(pairs, tokenizer, pair_index):
+    pair = pairs[pair_index]
+    target, draft = copy.deepcopy(pair.target), copy.deepcopy(pair.draft)
+    assert set_onednn_linear(target) and set_onednn_linear(draft)
+    target_lm = wrap(target)
+    decoder = SpeculativeDecoder(target_lm, tokenizer, [2], ModelDrafter(wrap(draft), target_lm.vocab_size))
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.inference_mode():
+            out = pair.target.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
+        reference = out[0, len(ids):].tolist()
+        reference = reference[: reference.index(2)] if 2 in reference else reference
+        assert greedy_tokens(decoder, ids, 40) == reference, prompt
+
+
+@pytest.fixture(scope="module")
+def folder(tokenizer, tmp_path_factory):
+    return str(save_model_folder(tiny_llama(len(tokenizer), seed=4), tokenizer, tmp_path_factory.mktemp("onednn")))
+
+
+def test_load_model_uses_onednn_for_float32_on_the_cpu_only(folder, monkeypatch):
+    loaded = load_model(folder, LoadConfig(device="cpu", dtype="float32", quant="none"))
+    assert loaded.linear == "onednn" and uses_onednn_linear(loaded.model)
+    assert "float32, oneDNN linear on cpu" in loaded.describe()
+
+    stock = load_model(folder, LoadConfig(device="cpu", dtype="float32", quant="none", cpu_linear="stock"))
+    assert stock.linear == "stock" and not uses_onednn_linear(stock.model)
+    assert "oneDNN" not in stock.describe()
+
+    bf16 = load_model(folder, LoadConfig(device="cpu", dtype="bfloat16", quant="none"))
+    assert bf16.linear == "stock"  # bfloat16 already runs through oneDNN in PyTorch itself
+    int8 = load_model(folder, LoadConfig(device="cpu", quant="int8"))
+    assert int8.linear == "stock"  # every linear layer is a quantized one
+
+    monkeypatch.setattr(loading, "onednn_problem", lambda: "no oneDNN in this build")
+    assert load_model(folder, LoadConfig(device="cpu", dtype="float32", quant="none")).linear == "stock"
+
+
+def test_cpu_linear_must_be_known():
+    with pytest.raises(ValueError, match="cpu_linear must be one of auto, stock, got 'mkl'"):
+        LoadConfig(cpu_linear="mkl")
