@@ -204,6 +204,7 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
     load_seconds = time.perf_counter() - started
     log(f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; target: {target.describe()}; specgen's draft: {spec_draft.describe()}")
+    target_description = target.describe()
     bench = Bench(target, draft, spec_draft, args.k)
     encoded = [(p, encode_bench_prompt(target.tokenizer, p)) for p in prompts]
 
@@ -281,7 +282,7 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     print(f"divergences from hf-plain: {n_div}" + (" (ERRORS: float32 must match exactly)" if errors else ""))
 
     del bench, target, draft, spec_draft
-    return {"dtype": dtype, "load_seconds": load_seconds, "rows": rows, "median_tokens_per_second": medians,
+    return {"dtype": dtype, "load_seconds": load_seconds, "specgen_target": target_description, "rows": rows, "median_tokens_per_second": medians,
             "ratio_of_medians": ratios, "median_of_per_prompt_ratios": per_prompt_ratio,
             "lowest_per_prompt_ratios": worst_prompt_ratio,
             "divergences": [r["methods"][m]["divergence"] for r in rows for m in methods[1:]

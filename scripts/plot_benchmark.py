@@ -1,6 +1,8 @@
-"""Plot a scripts/benchmark.py JSON result: tokens/s per prompt and method, one panel per dtype.
+"""Plot scripts/benchmark.py JSON results: tokens/s per prompt and method, one panel per dtype
+and result file (each panel shows the methods its run measured).
 
     python scripts/plot_benchmark.py bench.json docs/benchmark.png
+    python scripts/plot_benchmark.py bench-bf16.json bench-f32.json docs/benchmark.png
 """
 
 from __future__ import annotations
@@ -10,17 +12,17 @@ import json
 from pathlib import Path
 
 
-def plot(result: dict, out: Path) -> None:
+def plot(results: list[dict], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = result["dtypes"]
-    methods = result["methods"]
+    runs = [(result, run) for result in results for run in result["dtypes"]]
     fig, axes = plt.subplots(len(runs), 1, figsize=(13, 4.2 * len(runs)), squeeze=False)
-    width = 0.8 / len(methods)
-    for ax, run in zip(axes[:, 0], runs):
+    for ax, (result, run) in zip(axes[:, 0], runs):
+        methods = list(run["median_tokens_per_second"])
+        width = 0.8 / len(methods)
         prompts = [row["prompt"] for row in run["rows"]] + ["median"]
         for i, method in enumerate(methods):
             values = [row["methods"][method]["tokens_per_second"] for row in run["rows"]]
@@ -32,9 +34,12 @@ def plot(result: dict, out: Path) -> None:
         ax.set_ylabel("tokens/s (prefill included)")
         plain = run["median_tokens_per_second"]["hf-plain"]
         ax.axhline(plain, color="grey", linewidth=0.8, linestyle="--")
+        kernels = ", specgen's float32 linear layers on oneDNN" if "oneDNN" in run.get("specgen_target", "") else ""
         ax.set_title(f"{run['dtype']}: {result['target']} target, {result['draft']} draft, greedy,"
-                     f" {result['max_new_tokens']} new tokens (dashed: median of hf-plain)")
-        ax.legend(fontsize=8, ncol=len(methods))
+                     f" {result['max_new_tokens']} new tokens, {result['date'][:16]}{kernels}"
+                     " (dashed: median of hf-plain)", fontsize=10)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
+        ax.legend(fontsize=8, ncol=len(methods), loc="upper left")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -42,10 +47,10 @@ def plot(result: dict, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("result", type=Path, help="JSON written by scripts/benchmark.py --json-out")
+    parser.add_argument("results", type=Path, nargs="+", help="JSON written by scripts/benchmark.py --json-out")
     parser.add_argument("out", type=Path, help="PNG to write")
     args = parser.parse_args()
-    plot(json.loads(args.result.read_text()), args.out)
+    plot([json.loads(path.read_text()) for path in args.results], args.out)
 
 
 if __name__ == "__main__":

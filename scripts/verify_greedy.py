@@ -18,6 +18,7 @@ import torch
 
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.engine.events import StepEvent, TokenEvent
+from speccli.models.onednn import set_onednn_linear
 from speccli.pipeline import load_pipeline
 
 
@@ -37,10 +38,13 @@ def main() -> int:
     failures = 0
     for prompt in args.prompts:
         ids = tokenizer(prompt)["input_ids"]
+        # The reference is the target as transformers runs it: PyTorch's stock kernels.
+        set_onednn_linear(model, enabled=False)
         started = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
         plain_seconds = time.perf_counter() - started
+        set_onednn_linear(model, enabled=pipeline.target.linear == "onednn")
         reference = out[0, len(ids):].tolist()
         eos = set(pipeline.target.eos_token_ids)
         cut = next((i for i, t in enumerate(reference) if t in eos), len(reference))
