@@ -38,6 +38,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -197,14 +198,13 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     started = time.perf_counter()
     target = load_model(args.target, config, progress=log)
     # The draft transformers' assisted generation gets: loaded as transformers would, stock kernels.
-    draft = load_model(args.draft, LoadConfig(device=args.device, dtype=dtype, quant=args.quant, cpu_linear="stock"),
-                       progress=log)
-    spec_draft = load_model(args.draft, LoadConfig(device=args.device, dtype=dtype, quant=args.quant, for_draft=True),
-                            progress=log)
+    draft = load_model(args.draft, replace(config, cpu_linear="stock"), progress=log)
+    spec_draft = load_model(args.draft, replace(config, for_draft=True), progress=log)
     check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
     load_seconds = time.perf_counter() - started
-    log(f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; target: {target.describe()}; specgen's draft: {spec_draft.describe()}")
     target_description = target.describe()
+    log(f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; target: {target_description};"
+        f" specgen's draft: {spec_draft.describe()}")
     bench = Bench(target, draft, spec_draft, args.k)
     encoded = [(p, encode_bench_prompt(target.tokenizer, p)) for p in prompts]
 
