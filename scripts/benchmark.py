@@ -43,17 +43,18 @@ from pathlib import Path
 
 import torch
 
-from speccli.bench import encode_bench_prompt, first_difference, load_prompts
+from speccli.commands.bench_prompts import encode_bench_prompt, load_prompts
+from speccli.commands.bench_runner import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.engine.backends import HFCausalLM
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.calibration_cache import describe
 from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, ModelDrafter, PromptLookupDrafter
-from speccli.engine.events import StepEvent, TokenEvent
+from speccli.generation.calibration import describe
+from speccli.generation.stream import Generator
 from speccli.models.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
 from speccli.models.onednn import set_onednn_linear
+from speccli.stats import speedup
 
 METHODS = ("hf-plain", "hf-assisted", "hf-assisted-int8", "hf-prompt-lookup", "specgen-draft", "specgen-ngram",
            "specgen-plain")
@@ -84,7 +85,7 @@ class Bench:
         self.pad = pad if pad is not None else self.eos[0]
         target_lm = HFCausalLM(target.model)
         self.target_lm = target_lm
-        # One decoder per drafter, reused across prompts as a session would (the auto-k
+        # One generator per drafter, reused across prompts as a session would (the auto-k
         # policy keeps what it has learnt); caches are emptied before each timed run.
         self.draft_drafter = ModelDrafter(HFCausalLM(spec_draft.model), target_lm.vocab_size, DEFAULT_STOP_CONFIDENCE)
         self.ngram_drafter = PromptLookupDrafter()
@@ -93,13 +94,13 @@ class Bench:
         if k == "auto":
             costs = measure_costs(target_lm, self.draft_drafter.model, SpecConfig().max_k + 1)
             log(f"calibration: {describe(costs)}")
-        self.decoders = {
-            "specgen-draft": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs), self.draft_drafter),
+        draft_generator = Generator.over(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs)
+        self.generators = {
+            "specgen-draft": draft_generator,
             # Prompt lookup costs no draft pass: the same verification costs, no draft cost.
-            "specgen-ngram": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
-                                                 CostProfile(costs.verify_seconds, None) if costs else None),
-                              self.ngram_drafter),
-            "specgen-plain": (SpeculativeDecoder(target_lm, target.tokenizer, self.eos), None),
+            "specgen-ngram": Generator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
+                                            CostProfile(costs.verify_seconds, None) if costs else None),
+            "specgen-plain": draft_generator,  # streamed with plain=True: the target alone
         }
         self.specgen_linear = target.linear
 
@@ -126,31 +127,24 @@ class Bench:
         return out[0, len(ids):].tolist(), {}
 
     def _spec(self, method: str, ids: list[int], max_new: int) -> tuple[list[int], dict]:
-        decoder, drafter = self.decoders[method]
-        self.target_lm.rollback(0)
-        if drafter is not None:
-            drafter.rollback(0)
-        tokens, steps = [], []
+        generator = self.generators[method]
+        plain = method == "specgen-plain"
+        drafter = None if plain else generator.drafter
         spec = SpecConfig(k=self.k, max_new_tokens=max_new)
         models = [self.target_lm] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
         forward_before = sum(m.forward_seconds for m in models)
         started = time.perf_counter()
         with torch.inference_mode():
-            for event in decoder.generate(ids, SamplingConfig(), spec):
-                if isinstance(event, TokenEvent):
-                    tokens.append(event.token_id)
-                elif isinstance(event, StepEvent):
-                    steps.append(event)
+            generation = generator.stream(ids, SamplingConfig(), spec, plain=plain, cold=True).run()
         wall = time.perf_counter() - started
         forward = sum(m.forward_seconds for m in models) - forward_before
-        drafted = sum(s.drafted for s in steps)
-        accepted = sum(s.accepted for s in steps)
-        return tokens, {
-            "steps": len(steps),
-            "drafted": drafted,
-            "accepted": accepted,
-            "acceptance": accepted / drafted if drafted else None,
-            "tokens_per_step": len(tokens) / len(steps) if steps else None,
+        stats = generation.stats
+        return generation.token_ids, {
+            "steps": stats.steps,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "acceptance": stats.acceptance_rate,
+            "tokens_per_step": stats.tokens_per_step,
             "forward_seconds": forward,
             "overhead": (wall - forward) / wall if wall > 0 else None,
         }
@@ -253,12 +247,11 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     pairs = [(a, b) for a in ("specgen-draft", "specgen-ngram") for b in ("hf-plain", "hf-assisted", "hf-prompt-lookup")]
     pairs += [("specgen-draft", "hf-assisted-int8"), ("specgen-draft", "specgen-plain"), ("specgen-plain", "hf-plain")]
     pairs += [(a, "hf-plain") for a in ("hf-assisted", "hf-assisted-int8", "hf-prompt-lookup")]
-    ratios = {f"{a} / {b}": medians[a] / medians[b] if medians[b] else None
-              for a, b in pairs if a in medians and b in medians}
+    ratios = {f"{a} / {b}": speedup(medians[a], medians[b]) for a, b in pairs if a in medians and b in medians}
     # Per-prompt ratios too: the median of ratios is less sensitive to which prompt is slow.
     def prompt_ratios(key: str) -> list[float]:
         a, b = key.split(" / ")
-        return [r["methods"][a]["tokens_per_second"] / r["methods"][b]["tokens_per_second"] for r in rows]
+        return [speedup(r["methods"][a]["tokens_per_second"], r["methods"][b]["tokens_per_second"]) for r in rows]
 
     per_prompt_ratio = {key: statistics.median(prompt_ratios(key)) for key in ratios}
     worst_prompt_ratio = {key: min(prompt_ratios(key)) for key in ratios}

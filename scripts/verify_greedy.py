@@ -16,10 +16,11 @@ import time
 
 import torch
 
+from speccli.commands.bench_runner import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.engine.events import StepEvent, TokenEvent
+from speccli.generation.pipeline import load_pipeline
+from speccli.generation.prompts import Prompt
 from speccli.models.onednn import set_onednn_linear
-from speccli.pipeline import load_pipeline
 
 
 def main() -> int:
@@ -35,9 +36,10 @@ def main() -> int:
     config = LoadConfig(dtype=args.dtype)
     pipeline = load_pipeline(args.target, args.draft, config, config, progress=lambda m: print(m, file=sys.stderr))
     tokenizer, model = pipeline.tokenizer, pipeline.target.model
+    generator = pipeline.generator()
     failures = 0
     for prompt in args.prompts:
-        ids = tokenizer(prompt)["input_ids"]
+        ids = generator.encode(Prompt.of(prompt))
         # The reference is the target as transformers runs it: PyTorch's stock kernels.
         set_onednn_linear(model, enabled=False)
         started = time.perf_counter()
@@ -51,16 +53,15 @@ def main() -> int:
         reference = reference[:cut]
         for k in (int(x) for x in args.k.split(",")):
             started = time.perf_counter()
-            events = list(pipeline.decoder.generate(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=args.max_new_tokens)))
+            generation = generator.stream(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=args.max_new_tokens)).run()
             seconds = time.perf_counter() - started
-            tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
-            steps = [e for e in events if isinstance(e, StepEvent)]
-            acceptance = sum(s.accepted for s in steps) / max(1, sum(s.drafted for s in steps))
-            same = tokens == reference
+            tokens = generation.token_ids
+            acceptance = generation.stats.acceptance_rate or 0.0
+            position = first_difference(tokens, reference)
+            same = position is None
             detail = ""
             if not same:
                 failures += 1
-                position = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
                 with torch.inference_mode():
                     logits = model(torch.tensor([ids + reference[:position]])).logits[0, -1].float()
                 top2 = torch.topk(logits, 2).values

@@ -213,8 +213,9 @@ def generate(
 
     def body() -> int:
         progress = _stderr_progress(quiet)
-        from speccli.calibration_cache import calibrate
-        from speccli.pipeline import encode_prompt, load_pipeline
+        from speccli.engine.decoder import ContextOverflowError
+        from speccli.generation.pipeline import load_pipeline
+        from speccli.generation.prompts import NoChatTemplateError, Prompt
 
         try:
             draft_length = parse_draft_length(k)
@@ -228,58 +229,34 @@ def generate(
         text = _read_prompt(prompt)
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
-        if spec.k == AUTO_K:
-            calibrate(pipeline, spec.max_k, progress, refresh=recalibrate)
         try:
-            prompt_ids = encode_prompt(pipeline.tokenizer, text, chat, system)
-        except ValueError as error:
-            raise UsageError(str(error)) from None
-        context = pipeline.decoder.target.max_length
-        if context is not None and len(prompt_ids) >= context:
+            generation = pipeline.generator(progress, recalibrate).stream(Prompt.of(text, chat, system), sampling, spec)
+        except NoChatTemplateError:
+            raise UsageError("this model has no chat template", "run without --chat") from None
+        except ContextOverflowError as error:
             raise UsageError(
-                f"the prompt is {len(prompt_ids)} tokens long and {options.target}'s context holds {context}",
+                f"the prompt is {error.prompt_tokens} tokens long and {options.target}'s context holds {error.context}",
                 "shorten the prompt",
-            )
-        return _stream_generation(pipeline, prompt_ids, sampling, spec, as_json, stats)
+            ) from None
+        return _print_generation(pipeline, generation, sampling, spec, as_json, stats)
 
     _run_guarded(body)
 
 
-def _stream_generation(
-    pipeline, prompt_ids: list[int], sampling: SamplingConfig, spec: SpecConfig, as_json: bool, show_stats: bool
-) -> int:
-    """Run one generation to stdout. On Ctrl-C what was generated stays printed (or goes
+def _print_generation(pipeline, generation, sampling: SamplingConfig, spec: SpecConfig, as_json: bool, show_stats: bool) -> int:
+    """Stream one generation to stdout. On Ctrl-C what was generated stays printed (or goes
     into the JSON, marked interrupted) and the exit code is 130."""
-    from speccli.models.loading import dtype_name
-    from speccli.stats import GenerationStats
-    from speccli.ui.plain import PlainTextRenderer, TokenRecorder, dump_json, stats_summary
+    from speccli.ui.plain import PlainTextRenderer, dump_json, generation_json, stats_summary
 
-    figures = GenerationStats()
-    recorder = TokenRecorder()
-    renderer = recorder if as_json else PlainTextRenderer(sys.stdout)
-    interrupted = False
-    figures.start()
+    renderer = None if as_json else PlainTextRenderer(sys.stdout)
     try:
-        for event in pipeline.decoder.generate(prompt_ids, sampling, spec):
-            figures.observe(event)
-            renderer.on_event(event)
+        for response in generation:
+            if renderer is not None:
+                renderer.on_event(response.event)
     except KeyboardInterrupt:
-        interrupted = True
+        generation.close()
     if as_json:
-        payload = recorder.as_dict()
-        payload["finish_reason"] = "interrupted" if interrupted else figures.finish_reason
-        payload["target"] = pipeline.target.name
-        payload["draft"] = pipeline.draft_label
-        payload["settings"] = {
-            "k": spec.k, "max_new_tokens": spec.max_new_tokens, "temperature": sampling.temperature,
-            "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
-            "dtype": dtype_name(pipeline.target.dtype),
-            "device": str(pipeline.target.device), "quant": pipeline.target.quant,
-            "draft_quant": pipeline.draft.quant if pipeline.draft else None,
-            "linear": pipeline.target.linear,
-        }
-        payload["stats"] = figures.as_dict()
-        dump_json(payload, sys.stdout)
+        dump_json(generation_json(generation, pipeline, sampling, spec), sys.stdout)
     elif sys.stdout.isatty():
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -287,8 +264,8 @@ def _stream_generation(
         models = f"target {pipeline.target.describe()}"
         models += f"; draft {pipeline.draft.describe()}" if pipeline.draft else f"; drafter {pipeline.drafter_name}"
         print(models, file=sys.stderr)
-        print(stats_summary(figures), file=sys.stderr)
-    if interrupted:
+        print(stats_summary(generation.stats), file=sys.stderr)
+    if not generation.finished:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
@@ -324,8 +301,7 @@ def chat(
 
     def body() -> int:
         progress = _stderr_progress(quiet)
-        from speccli.calibration_cache import calibrate
-        from speccli.pipeline import load_pipeline
+        from speccli.generation.pipeline import load_pipeline
         from speccli.ui.chat import run_chat
 
         target_config, draft_config = options.configs()
@@ -333,17 +309,10 @@ def chat(
             draft_length = parse_draft_length(k)
         except ValueError as error:
             raise UsageError(f"--{error}") from None
-
-        def load():
-            pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
-            if draft_length == AUTO_K:
-                calibrate(pipeline, SpecConfig().max_k, progress, refresh=recalibrate)
-            return pipeline
-
         return run_chat(
-            load,
+            lambda: load_pipeline(options.target, options.draft, target_config, draft_config, progress),
             k=draft_length, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, system=system, color=False if no_color else None,
+            seed=seed, system=system, color=False if no_color else None, progress=progress, recalibrate=recalibrate,
         )
 
     _run_guarded(body)
@@ -392,10 +361,12 @@ def bench(
         from pathlib import Path
 
         progress = _stderr_progress(quiet)
-        from speccli.bench import BenchRunner, BenchSettings, load_prompts, parse_k_list
-        from speccli.calibration_cache import calibrate
-        from speccli.pipeline import NO_DRAFT, load_pipeline
+        from speccli.commands.bench_prompts import load_prompts, parse_k_list
+        from speccli.commands.bench_results import BenchSettings
+        from speccli.commands.bench_runner import BenchRunner
+        from speccli.generation.pipeline import NO_DRAFT, load_pipeline
         from speccli.ui import bench_report
+        from speccli.ui.progress import BenchProgressDisplay
 
         prompt_set = load_prompts(Path(prompts))
         ks = parse_k_list(k)
@@ -410,18 +381,11 @@ def bench(
             raise UsageError("bench compares speculative decoding with plain decoding and needs a draft", "use --draft MODEL or --draft ngram")
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
-        costs = calibrate(pipeline, SpecConfig().max_k, progress, refresh=recalibrate) if AUTO_K in ks else None
-        bench_progress = _BenchProgressDisplay(progress, bar=not quiet and sys.stderr.isatty())
-        runner = BenchRunner(
-            pipeline.decoder.target,
-            pipeline.tokenizer,
-            pipeline.target.eos_token_ids,
-            lambda: pipeline.decoder.drafter,
-            settings,
-            progress=bench_progress.update,
-            metadata=pipeline.model_info(),
-            costs=costs,
-        )
+        generator = pipeline.generator(progress, recalibrate)
+        if AUTO_K in ks:
+            generator.calibrate(SpecConfig().max_k)  # before the progress bar starts
+        bench_progress = BenchProgressDisplay(progress, bar=not quiet and sys.stderr.isatty())
+        runner = BenchRunner(generator, None, settings, progress=bench_progress.update, metadata=pipeline.model_info())
         interrupted = False
         try:
             with bench_progress:
@@ -429,7 +393,7 @@ def bench(
         except KeyboardInterrupt:
             interrupted = True
             results = runner.results(complete=False)
-        _write_bench_report(results, output_format, output)
+        bench_report.write(results, output_format, output)
         if plot_path:
             bench_report.plot(results, Path(plot_path))
         print(bench_report.headline(results), file=sys.stderr)
@@ -443,55 +407,6 @@ def bench(
     _run_guarded(body)
 
 
-class _BenchProgressDisplay:
-    """A progress bar on stderr when it is a terminal; otherwise one line per event."""
-
-    def __init__(self, say: Callable[[str], None], bar: bool) -> None:
-        self.say = say
-        self.bar = None
-        if bar:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                console=Console(stderr=True), transient=True,
-            )
-            self.task = self.bar.add_task("bench", total=None)
-
-    def __enter__(self) -> "_BenchProgressDisplay":
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def update(self, state) -> None:
-        if self.bar is None:
-            self.say(state.describe())
-            return
-        self.bar.update(self.task, total=state.total or None, completed=state.completed, description=state.describe())
-        if state.phase == "done":
-            self.bar.console.print(state.describe(), highlight=False)
-
-
-def _write_bench_report(results, output_format: str, output: Optional[str]) -> None:
-    from speccli.ui import bench_report
-
-    if output:
-        with open(output, "w", encoding="utf-8") as handle:
-            handle.write(bench_report.render(results, output_format))
-    elif output_format == "table" and sys.stdout.isatty():
-        from rich.console import Console
-
-        bench_report.print_table(results, Console())
-    else:
-        sys.stdout.write(bench_report.render(results, output_format))
-        sys.stdout.flush()
-
-
 @app.command()
 def models(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table."),
@@ -502,30 +417,14 @@ def models(
     """
 
     def body() -> int:
-        import json
-        from dataclasses import asdict
-
-        from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, format_size, list_models
+        from speccli.models.registry import list_models
+        from speccli.ui import models_table
 
         listings = list_models()
         if as_json:
-            print(json.dumps([asdict(item) for item in listings], ensure_ascii=False, indent=2))
-            return 0
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title="specgen models", title_justify="left")
-        for column in ("alias", "family", "params", "resolves to", "available", "size"):
-            table.add_column(column, no_wrap=column != "resolves to")
-        for item in listings:
-            default = {DEFAULT_TARGET: " (default target)", DEFAULT_DRAFT: " (default draft)"}.get(item.alias, "")
-            table.add_row(item.alias + default, item.family, item.params, item.resolves_to, item.availability, format_size(item.size_bytes))
-        console = Console(width=None if sys.stdout.isatty() else 200)
-        console.print(table)
-        console.print(
-            "Also accepted: a Hugging Face hub id (owner/name), a local model folder, a .gguf file,"
-            " and for --draft: `ngram` (prompt lookup) or `none`."
-        )
+            models_table.print_json(listings)
+        else:
+            models_table.print_table(listings)
         return 0
 
     _run_guarded(body)

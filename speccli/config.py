@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,11 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def nth(self, n: int) -> SamplingConfig:
+        """The config of the n-th of several generations: with a seed, seed + n (a series
+        replays exactly, and each generation gets its own sample); without one, this."""
+        return self if self.seed is None else replace(self, seed=self.seed + n)
 
 
 AUTO_K = "auto"

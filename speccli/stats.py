@@ -18,6 +18,13 @@ def expected_tokens_per_step(alpha: float, k: float) -> float:
     return (1.0 - alpha ** (k + 1.0)) / (1.0 - alpha)
 
 
+def speedup(speculative_tokens_per_second: float | None, plain_tokens_per_second: float | None) -> float | None:
+    """Speculative tokens/s over plain tokens/s: the speed-up every surface reports."""
+    if not plain_tokens_per_second or speculative_tokens_per_second is None:
+        return None
+    return speculative_tokens_per_second / plain_tokens_per_second
+
+
 @dataclass
 class GenerationStats:
     """Figures for one or more generations. Feed it every event with `observe`."""

@@ -14,22 +14,10 @@ import torch
 from rich.console import Console
 
 from conftest import char_tokenizer, wrap
-from speccli.bench import (
-    BenchInputError,
-    BenchProgress,
-    BenchPrompt,
-    BenchResults,
-    BenchRow,
-    BenchRunner,
-    BenchSettings,
-    RunResult,
-    Spread,
-    encode_bench_prompt,
-    load_prompts,
-    mismatch_message,
-    parse_k_list,
-    run_bench,
-)
+from speccli.commands.bench_prompts import BenchInputError, BenchPrompt, encode_bench_prompt, load_prompts, parse_k_list
+from speccli.commands.bench_results import BenchResults, BenchRow, BenchSettings, RunResult, Spread
+from speccli.commands.bench_runner import BenchProgress, BenchRunner, mismatch_message, run_bench
+from speccli.generation.stream import Generator
 from speccli.config import SamplingConfig
 from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
 from speccli.errors import UsageError
@@ -238,7 +226,7 @@ def test_encode_text_and_chat(chat_tokenizer):
 def test_chat_prompt_without_template_fails_before_any_run(tokenizer, pairs):
     calls = []
     runner = BenchRunner(
-        wrap(pairs[0].target), tokenizer, [EOS], PromptLookupDrafter, BenchSettings(), progress=calls.append
+        Generator.over(wrap(pairs[0].target), tokenizer, [EOS]), PromptLookupDrafter, BenchSettings(), progress=calls.append
     )
     prompts = [BenchPrompt("ok", text="abc"), BenchPrompt("chatty", messages=({"role": "user", "content": "hi"},))]
     with pytest.raises(BenchInputError) as info:
@@ -456,7 +444,7 @@ def test_sampling_rows_are_not_compared_and_share_a_seed(pairs, tokenizer):
     assert [r.identical for r in results.rows] == [None, None]
     assert results.errors == []
     # Plain runs with the same seed reproduce: a rerun of repeat 0 gives the same tokens.
-    runner = BenchRunner(wrap(pair.target), tokenizer, [EOS], PromptLookupDrafter, settings)
+    runner = BenchRunner(Generator.over(wrap(pair.target), tokenizer, [EOS]), PromptLookupDrafter, settings)
     again = runner.run_row(BenchPrompt("a", text="hello"), tokenizer("hello")["input_ids"], 2, 0)
     assert again.plain.token_ids == results.rows[0].plain.token_ids
 
@@ -467,7 +455,7 @@ def test_interrupted_run_keeps_the_rows_so_far(pairs, tokenizer):
             raise KeyboardInterrupt
 
     runner = BenchRunner(
-        wrap(pairs[0].target), tokenizer, [EOS], PromptLookupDrafter,
+        Generator.over(wrap(pairs[0].target), tokenizer, [EOS]), PromptLookupDrafter,
         BenchSettings(max_new_tokens=4, ks=(1, 2), repeat=3, warmup=False), stop_after_two,
     )
     with pytest.raises(KeyboardInterrupt):

@@ -7,15 +7,15 @@ import json
 import pytest
 
 from conftest import save_model_folder, wrap
-from speccli import calibration_cache
-from speccli.calibration_cache import calibrate, calibration_identity, calibration_path
+from speccli.generation import calibration as calibration_cache
+from speccli.generation.calibration import calibrate, calibration_identity, calibration_path
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import ModelDrafter
 from speccli.engine.events import StepEvent
 from speccli.engine.policy import AdaptiveDraftLength
-from speccli.pipeline import load_pipeline
+from speccli.generation.pipeline import load_pipeline
 
 STEEP = CostProfile({n: 0.1 * n for n in range(1, 10)}, 0.05)  # float32 on a CPU, roughly
 FLAT = CostProfile({n: 0.2 for n in range(1, 10)}, 0.01)  # bfloat16 here, roughly

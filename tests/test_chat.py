@@ -16,13 +16,9 @@ import pytest
 import torch
 
 from conftest import char_tokenizer, perturbed_copy, save_model_folder, tiny_llama
-from speccli.chat_session import (
-    ChatError,
-    ChatSession,
-    ChatSettings,
-    SettingError,
-    encode_conversation,
-)
+from speccli.commands.chat_session import ChatError, ChatSession, ChatSettings, SettingError
+from speccli.generation.prompts import encode_conversation
+from speccli.generation.stream import Generator
 from speccli.engine.backends import HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import ModelDrafter
@@ -67,8 +63,8 @@ def make_session(models, drafter: bool = True, max_tokens: int = 24, **kwargs) -
     decoder = SpeculativeDecoder(
         target_lm, tokenizer, [EOS], ModelDrafter(HFCausalLM(draft), target_lm.vocab_size) if drafter else None
     )
-    settings = ChatSettings(max_tokens=max_tokens, k=kwargs.pop("k", 4))
-    return ChatSession(decoder, settings, kwargs.pop("system", None), model_info={"target": "t", "draft": "d"}, **kwargs)
+    settings = ChatSettings.of(max_tokens=max_tokens, k=kwargs.pop("k", 4))
+    return ChatSession(Generator(decoder), settings, kwargs.pop("system", None), model_info={"target": "t", "draft": "d"}, **kwargs)
 
 
 def drain(events) -> list:
@@ -281,7 +277,7 @@ def test_interrupted_answer_keeps_what_was_said(models):
 
 def test_ctrl_c_inside_the_decoder_keeps_the_session(models):
     session = make_session(models, max_tokens=200)
-    original = session.decoder.target.forward
+    original = session.generator.target.forward
     calls = {"n": 0}
 
     def flaky_forward(*args, **kwargs):
@@ -290,10 +286,10 @@ def test_ctrl_c_inside_the_decoder_keeps_the_session(models):
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 
-    session.decoder.target.forward = flaky_forward
+    session.generator.target.forward = flaky_forward
     ui, out, err = make_ui(session)
     ui.handle("hello")
-    session.decoder.target.forward = original
+    session.generator.target.forward = original
     lines = err.getvalue().splitlines()
     assert FIGURES.match(lines[0]) and lines[0].startswith("interrupted | ")
     assert lines[1] in (
@@ -466,7 +462,7 @@ def test_run_chat_refuses_bad_settings_and_models_without_a_template(models):
     tokenizer, target, draft = models
 
     def Fake(tok):
-        from speccli.pipeline import Pipeline
+        from speccli.generation.pipeline import Pipeline
 
         loaded = type("T", (), {"name": "tiny", "dtype": torch.float32, "device": "cpu", "quant": "none", "linear": "stock", "tokenizer": tok})()
         return Pipeline(loaded, None, "none", SpeculativeDecoder(HFCausalLM(target), tok, [EOS]))
@@ -512,7 +508,7 @@ LAUNCHER = """\
 # Stand-in for `specgen chat` until the CLI command is wired.
 import sys
 from speccli.config import LoadConfig
-from speccli.pipeline import load_pipeline
+from speccli.generation.pipeline import load_pipeline
 from speccli.ui.chat import run_chat
 
 target, draft, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -562,6 +558,20 @@ def test_scripted_chat_reads_stdin_line_by_line(folders, tmp_path):
     assert len(result.stdout.decode().splitlines()) >= 2
     assert "k = 2" in stderr
     assert stderr.count("session: 2 answers") == 2  # /stats, then the report at the end
+
+
+def test_set_k_auto_after_a_fixed_k_starts_calibrated(folders, tmp_path):
+    argv = chat_argv(folders, 8) + ["--k", "4"]
+    script = "hello\n/set k auto\nagain\n"
+    cache = tmp_path / "cache"
+    result = subprocess.run(
+        argv, input=script.encode(), capture_output=True, cwd=REPO,
+        env=child_env(tmp_path, SPECGEN_CACHE=str(cache)), timeout=120,
+    )
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr
+    assert stderr.index("k = auto") < stderr.index("calibrating: timing target passes")
+    assert len(list((cache / "calibration").glob("*.json"))) == 1
 
 
 def test_chat_in_a_real_terminal(folders, tmp_path):

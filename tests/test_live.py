@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from speccli.chat_session import SessionReport
+from speccli.commands.chat_session import SessionReport
 from speccli.engine.events import FinishEvent, FinishReason, Provenance, StepEvent, TokenEvent
 from speccli.stats import GenerationStats
 from speccli.ui.live import (

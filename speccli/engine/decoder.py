@@ -27,6 +27,22 @@ from speccli.engine.events import (
 from speccli.engine.policy import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
 from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
 from speccli.engine.text import Detokenizer, OutputText
+from speccli.errors import UsageError
+
+
+class ContextOverflowError(UsageError, ValueError):
+    """A prompt that leaves no room in the model's context for a new token."""
+
+    def __init__(self, prompt_tokens: int, context: int) -> None:
+        super().__init__(f"the prompt is {prompt_tokens} tokens long and the model's context holds {context}")
+        self.prompt_tokens = prompt_tokens
+        self.context = context
+
+
+def check_fits(prompt_tokens: int, context: int | None) -> None:
+    """Raise ContextOverflowError unless a prompt this long leaves room for a new token."""
+    if context is not None and prompt_tokens >= context:
+        raise ContextOverflowError(prompt_tokens, context)
 
 
 def provenance_of(position: int, drafted: int, accepted: int) -> Provenance:
@@ -67,6 +83,7 @@ class SpeculativeDecoder:
         # Kept across generations: what it learned about this machine's costs and the
         # draft's acceptance carries over from one prompt (or chat turn) to the next.
         self._adaptive: AdaptiveDraftLength | None = None
+        self._adaptive_costs: CostProfile | None = None
 
     def generate(
         self,
@@ -78,10 +95,7 @@ class SpeculativeDecoder:
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
         max_length = self.target.max_length
-        if max_length is not None and len(prompt_ids) >= max_length:
-            raise ValueError(
-                f"the prompt is {len(prompt_ids)} tokens long and the model's context holds {max_length}"
-            )
+        check_fits(len(prompt_ids), max_length)
         policy = policy or self._policy_for(spec)
         started = time.perf_counter()
         context = list(prompt_ids)
@@ -157,8 +171,12 @@ class SpeculativeDecoder:
             return FixedDraftLength(0)
         if isinstance(spec.k, int):
             return FixedDraftLength(spec.k)
-        if self._adaptive is None or self._adaptive.max_k != spec.max_k:
+        stale = self._adaptive is None or self._adaptive.max_k != spec.max_k or self._adaptive_costs is not self.costs
+        if stale:
+            # Built here, and again when the costs change (a calibration arrived): the
+            # policy always starts from the costs the decoder was given.
             self._adaptive = AdaptiveDraftLength(max_k=spec.max_k)
+            self._adaptive_costs = self.costs
             if self.costs is not None:
                 self._adaptive.costs.seed(self.costs.verify_seconds, self.costs.draft_seconds)
         return self._adaptive

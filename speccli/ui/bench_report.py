@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from speccli.bench import BenchResults, BenchSummary
+from speccli.commands.bench_results import BenchResults, BenchSummary
 from speccli.errors import UsageError
 
 FORMATS = ("table", "json", "csv", "md")
@@ -336,3 +336,18 @@ __all__ = [
     "to_json",
     "to_markdown",
 ]
+
+
+def write(results: BenchResults, fmt: str, output: str | None = None) -> None:
+    """The report to the file `output`, else to stdout: a Rich table on a terminal, the
+    format's text otherwise."""
+    import sys
+
+    if output:
+        with open(output, "w", encoding="utf-8") as handle:
+            handle.write(render(results, fmt))
+    elif fmt == "table" and sys.stdout.isatty():
+        print_table(results, Console())
+    else:
+        sys.stdout.write(render(results, fmt))
+        sys.stdout.flush()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, TextIO
 
-from speccli.chat_session import (
+from speccli.commands.chat_session import (
     DEFAULT_BASELINE_BUDGET,
     DEFAULT_BASELINE_TOKENS,
     DEFAULT_MAX_TOKENS,
@@ -25,10 +25,11 @@ from speccli.chat_session import (
     ChatSession,
     ChatSettings,
     SettingError,
-    has_chat_template,
 )
+from speccli.config import AUTO_K
 from speccli.engine.events import Event
 from speccli.errors import UsageError
+from speccli.generation.prompts import has_chat_template
 from speccli.ui.live import (
     ERROR_STYLE,
     LEGEND,
@@ -197,7 +198,7 @@ def _set(ui: "ChatUI", arg: str) -> None:
     if len(words) == 1:
         raise SettingError(f"usage: /set NAME VALUE, NAME one of {', '.join(SETTING_NAMES)}")
     name = ui.session.set(words[0], words[1])
-    value = getattr(ui.session.settings, name)
+    value = ui.session.settings.value(name)
     shown = "none" if value is None else format(value, "g") if isinstance(value, float) else str(value)
     extra = " (no effect: there is no drafter)" if name == "k" and not ui.session.has_drafter else ""
     ui.note(f"{name} = {shown}{extra}")
@@ -366,8 +367,9 @@ class ChatUI:
         info = self.session.model_info
         draft = info.get("draft") or "none"
         settings = self.session.settings
-        mode = "greedy" if settings.temperature == 0 else f"temperature {settings.temperature:g}"
-        k = f" (k {settings.k})" if self.session.has_drafter else ""
+        temperature = settings.sampling.temperature
+        mode = "greedy" if temperature == 0 else f"temperature {temperature:g}"
+        k = f" (k {settings.spec.k})" if self.session.has_drafter else ""
         self.note(f"specgen chat | target {info.get('target', '?')} | draft {draft}{k} | {mode}")
         self.note("/help for commands, Ctrl-D to exit.")
         if self.tokens.colour and self.session.has_drafter:
@@ -415,22 +417,27 @@ def run_chat(
     baseline_tokens: int = DEFAULT_BASELINE_TOKENS,
     baseline_budget: int = DEFAULT_BASELINE_BUDGET,
     warm_up: bool = True,
+    progress: Optional[Callable[[str], None]] = None,
+    recalibrate: bool = False,
     stdin: Optional[TextIO] = None,
     stdout: Optional[TextIO] = None,
     stderr: Optional[TextIO] = None,
 ) -> int:
     """Chat until the user leaves; returns the exit code (0).
 
-    pipeline: a loaded speccli.pipeline.Pipeline, or a function of no arguments that loads
+    pipeline: a loaded speccli.generation.pipeline.Pipeline, or a function of no arguments that loads
     one; given a function, the settings are checked before the (slow) load.
     color: None (or True) = automatic: a terminal and NO_COLOR unset; False = never (--no-color).
+    progress, recalibrate: for the calibration of `k auto` (see Pipeline.generator).
     Raises UsageError (one line, exit 2) for a bad setting or a model without a chat
     template, before anything is read."""
     stdin = sys.stdin if stdin is None else stdin
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     try:
-        settings = ChatSettings(temperature, top_k, top_p, seed, k, max_new_tokens)
+        settings = ChatSettings.of(
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, k=k, max_tokens=max_new_tokens
+        )
     except SettingError as error:
         raise UsageError(str(error)) from None
     if callable(pipeline):
@@ -440,8 +447,11 @@ def run_chat(
             f"{pipeline.target.name} has no chat template, so it cannot chat",
             "use an instruction-tuned (chat) model, or `specgen generate` for plain continuation",
         )
+    generator = pipeline.generator(progress, recalibrate)
+    if settings.spec.k == AUTO_K:
+        generator.calibrate(settings.spec.max_k)  # now, rather than after the first question
     session = ChatSession(
-        pipeline.decoder, settings, system,
+        generator, settings, system,
         baseline_tokens=baseline_tokens, baseline_budget=baseline_budget, model_info=pipeline.model_info(),
     )
     off = False if color is False else None

@@ -5,8 +5,15 @@ from __future__ import annotations
 import json
 from typing import TextIO
 
+from typing import TYPE_CHECKING
+
+from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.events import Event, TokenEvent
 from speccli.stats import GenerationStats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from speccli.generation.pipeline import Pipeline
+    from speccli.generation.stream import Generation
 
 
 class PlainTextRenderer:
@@ -21,31 +28,34 @@ class PlainTextRenderer:
             self.stream.flush()
 
 
-class TokenRecorder:
-    """Keeps every emitted token for the JSON output."""
-
-    def __init__(self) -> None:
-        self.tokens: list[TokenEvent] = []
-
-    def on_event(self, event: Event) -> None:
-        if isinstance(event, TokenEvent):
-            self.tokens.append(event)
-
-    def as_dict(self) -> dict:
-        return {
-            "text": "".join(t.text for t in self.tokens),
-            "token_ids": [t.token_id for t in self.tokens],
-            "tokens": [
-                {
-                    "id": t.token_id,
-                    "text": t.text,
-                    "provenance": t.provenance.value,
-                    "step": t.step,
-                    "draft_position": t.draft_position,
-                }
-                for t in self.tokens
-            ],
-        }
+def generation_json(generation: Generation, pipeline: Pipeline, sampling: SamplingConfig, spec: SpecConfig) -> dict:
+    """`generate --json`: the text, every token with its provenance, what ran, the figures."""
+    info = pipeline.model_info()
+    return {
+        "text": generation.text,
+        "token_ids": generation.token_ids,
+        "tokens": [
+            {
+                "id": t.token_id,
+                "text": t.text,
+                "provenance": t.provenance.value,
+                "step": t.step,
+                "draft_position": t.draft_position,
+            }
+            for t in generation.tokens
+        ],
+        "finish_reason": generation.finish_reason,
+        "target": info["target"],
+        "draft": info["draft"],
+        "settings": {
+            "k": spec.k, "max_new_tokens": spec.max_new_tokens, "temperature": sampling.temperature,
+            "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
+            "dtype": info["dtype"], "device": info["device"], "quant": info["quant"],
+            "draft_quant": pipeline.draft.quant if pipeline.draft else None,
+            "linear": info["linear"],
+        },
+        "stats": generation.stats.as_dict(),
+    }
 
 
 def dump_json(payload: dict, stream: TextIO) -> None:

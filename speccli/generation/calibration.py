@@ -17,7 +17,7 @@ from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import ModelDrafter
 from speccli.models import offline
 from speccli.models.loading import LoadedModel, cpu_name, dtype_name
-from speccli.pipeline import Pipeline
+from speccli.generation.pipeline import Pipeline
 
 FORMAT = 1
 

@@ -1,10 +1,10 @@
-"""Wiring between loaded models and the engine: building a decoder for a target and a
-draft choice, and turning a user's text into prompt token ids."""
+"""Wiring between loaded models and the engine: a target and a draft choice loaded, checked
+and put behind one decoder, and the Generator every surface generates through."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from speccli.config import LoadConfig
 from speccli.engine.backends import HFCausalLM
@@ -12,6 +12,9 @@ from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, Drafter, ModelDrafter, PromptLookupDrafter
 from speccli.models.compat import check_tokenizers_compatible
 from speccli.models.loading import LoadedModel, dtype_name, load_model
+
+if TYPE_CHECKING:  # pragma: no cover
+    from speccli.generation.stream import Generator
 
 NGRAM_DRAFT = "ngram"
 NO_DRAFT = "none"
@@ -34,6 +37,14 @@ class Pipeline:
     def draft_label(self) -> str:
         """The draft model's name, or the drafter's (`ngram`, `none`) when there is no model."""
         return self.draft.name if self.draft else self.drafter_name
+
+    def generator(self, progress: Callable[[str], None] | None = None, recalibrate: bool = False) -> Generator:
+        """The Generator over this pipeline's decoder. `k auto` calibrates through the
+        on-disk cache (speccli.generation.calibration) the first time it is asked for."""
+        from speccli.generation.calibration import calibrate
+        from speccli.generation.stream import Generator
+
+        return Generator(self.decoder, lambda max_k: calibrate(self, max_k, progress, refresh=recalibrate))
 
     def model_info(self) -> dict[str, str]:
         """What ran, for saved sessions and benchmark reports."""
@@ -73,24 +84,3 @@ def load_pipeline(
         drafter = ModelDrafter(HFCausalLM(draft.model), target_lm.vocab_size, DEFAULT_STOP_CONFIDENCE)
     decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
-
-
-def chat_template_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation under the tokenizer's chat template, ready for the
-    assistant's turn."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def encode_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -> list[int]:
-    """Token ids for a raw prompt, or for a one-turn conversation under the chat template."""
-    if not chat:
-        return list(tokenizer(text)["input_ids"])
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; run without --chat")
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": text}
-    ]
-    return chat_template_ids(tokenizer, messages)

@@ -13,8 +13,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator
 
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig
-from speccli.engine.events import Event, TokenEvent
-from speccli.stats import GenerationStats
+from speccli.engine.decoder import ContextOverflowError
+from speccli.engine.events import Event
+from speccli.generation.prompts import Message, Prompt, PromptError
+from speccli.generation.stream import Generation, Generator
+from speccli.stats import GenerationStats, speedup
 
 SAVE_FORMAT = "specgen-chat/1"
 
@@ -65,35 +68,49 @@ def _parse_float(name: str, raw: str) -> float:
     return value
 
 
+# Each /set name, and the field of SamplingConfig or SpecConfig it sets.
+_FIELDS: dict[str, tuple[str, str]] = {
+    "temperature": ("sampling", "temperature"),
+    "top_k": ("sampling", "top_k"),
+    "top_p": ("sampling", "top_p"),
+    "seed": ("sampling", "seed"),
+    "k": ("spec", "k"),
+    "max_tokens": ("spec", "max_new_tokens"),
+}
+
+
 @dataclass(frozen=True)
 class ChatSettings:
-    """What the next answer is generated with. Every instance is valid: the constructor
-    checks what SamplingConfig and SpecConfig check, and k >= 1."""
+    """What the next answer is generated with: the configs themselves, under the names
+    /set uses. Every instance is valid (the configs check themselves; k >= 1 here)."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    k: int | str = AUTO_K
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(k=AUTO_K, max_new_tokens=DEFAULT_MAX_TOKENS))
 
     def __post_init__(self) -> None:
+        if isinstance(self.spec.k, int) and self.spec.k < 1:
+            raise SettingError(f"k must be at least 1, got {self.spec.k}")
+
+    @classmethod
+    def of(cls, **values: Any) -> ChatSettings:
+        """Settings from /set names (temperature, top_k, top_p, seed, k, max_tokens).
+        Raises SettingError."""
+        settings = cls()
+        for name, value in values.items():
+            settings = settings.with_value(name, value)
+        return settings
+
+    def value(self, name: str) -> Any:
+        config, attribute = _FIELDS[name]
+        return getattr(getattr(self, config), attribute)
+
+    def with_value(self, name: str, value: Any) -> ChatSettings:
+        config, attribute = _FIELDS[name]
         try:
-            SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed)
-            SpecConfig(k=self.k, max_new_tokens=self.max_tokens)
+            updated = replace(getattr(self, config), **{attribute: value})
         except ValueError as error:
             raise SettingError(str(error)) from None
-        if isinstance(self.k, int) and self.k < 1:
-            raise SettingError(f"k must be at least 1, got {self.k}")
-
-    def sampling(self, generation: int = 0) -> SamplingConfig:
-        """The sampling config of the session's `generation`-th answer. With a seed, answer
-        n uses seed + n: a session replays exactly, and /regen gives a new sample."""
-        seed = None if self.seed is None else self.seed + generation
-        return SamplingConfig(self.temperature, self.top_k, self.top_p, seed)
-
-    def spec(self) -> SpecConfig:
-        return SpecConfig(k=self.k, max_new_tokens=self.max_tokens)
+        return replace(self, **{config: updated})
 
     def changed(self, name: str, raw: str) -> tuple[str, "ChatSettings"]:
         """The settings with `name` set from the text `raw`: (canonical name, new settings).
@@ -111,18 +128,19 @@ class ChatSettings:
             value = AUTO_K
         else:
             value = _parse_int(name, raw)
-        return name, replace(self, **{name: value})
+        return name, self.with_value(name, value)
 
     def describe(self) -> str:
-        mode = "greedy" if self.temperature == 0 else "sampling"
+        s, seed = self.sampling, self.sampling.seed
+        mode = "greedy" if s.greedy else "sampling"
         return (
-            f"temperature {self.temperature:g} ({mode}), top_p {self.top_p:g}, top_k {self.top_k}"
-            f"{' (off)' if self.top_k == 0 else ''}, k {self.k}, max_tokens {self.max_tokens},"
-            f" seed {'none' if self.seed is None else self.seed}"
+            f"temperature {s.temperature:g} ({mode}), top_p {s.top_p:g}, top_k {s.top_k}"
+            f"{' (off)' if s.top_k == 0 else ''}, k {self.spec.k}, max_tokens {self.spec.max_new_tokens},"
+            f" seed {'none' if seed is None else seed}"
         )
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {name: self.value(name) for name in _FIELDS}
 
 
 @dataclass
@@ -232,41 +250,6 @@ class SessionReport:
         return asdict(self)
 
 
-def _rendered_ids(tokenizer, messages: list[dict]) -> list[int]:
-    kwargs = dict(add_generation_prompt=True, tokenize=True)
-    try:
-        # Control tokens a user types (say "<|im_end|>") are encoded as text, not as tokens.
-        ids = tokenizer.apply_chat_template(messages, sanitize_control_tokens=True, **kwargs)
-    except TypeError:
-        ids = tokenizer.apply_chat_template(messages, **kwargs)
-    if hasattr(ids, "keys"):  # a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
-
-
-def encode_conversation(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the whole conversation under the model's chat template, ending with the
-    header of the assistant's next answer. A template that refuses a system message (some
-    do) gets it prepended to the first user message instead."""
-    try:
-        return _rendered_ids(tokenizer, messages)
-    except Exception as error:  # jinja2 TemplateError, or raise_exception() in a template
-        if messages and messages[0]["role"] == "system" and len(messages) > 1:
-            system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
-            first_user = next((m for m in rest if m["role"] == "user"), None)
-            if first_user is not None:
-                first_user["content"] = f"{system}\n\n{first_user['content']}"
-                try:
-                    return _rendered_ids(tokenizer, rest)
-                except Exception:
-                    pass
-        raise ChatError(f"the model's chat template refused the conversation: {error}") from None
-
-
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
 class ChatSession:
     """The state of one `specgen chat`.
 
@@ -280,7 +263,7 @@ class ChatSession:
 
     def __init__(
         self,
-        decoder,
+        generator: Generator,
         settings: ChatSettings | None = None,
         system: str | None = None,
         *,
@@ -288,8 +271,7 @@ class ChatSession:
         baseline_budget: int = DEFAULT_BASELINE_BUDGET,
         model_info: dict | None = None,
     ) -> None:
-        self.decoder = decoder
-        self.tokenizer = decoder.tokenizer
+        self.generator = generator
         self.settings = settings or ChatSettings()
         self.system = system or None
         self.messages: list[dict[str, str]] = []  # the conversation, without the system prompt
@@ -305,7 +287,7 @@ class ChatSession:
 
     @property
     def has_drafter(self) -> bool:
-        return self.decoder.drafter is not None
+        return self.generator.drafter is not None
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages the template sees: the system prompt (if any), then the turns."""
@@ -327,15 +309,17 @@ class ChatSession:
         name, self.settings = self.settings.changed(name, raw)
         return name
 
-    def prompt_ids(self, messages: list[dict[str, str]] | None = None) -> list[int]:
-        ids = encode_conversation(self.tokenizer, self.conversation() if messages is None else messages)
-        limit = self.decoder.target.max_length
-        if limit is not None and len(ids) >= limit:
+    def prompt_ids(self, messages: list[Message] | None = None) -> list[int]:
+        prompt = Prompt.conversation(self.conversation() if messages is None else messages)
+        try:
+            return self.generator.encode(prompt)
+        except ContextOverflowError as error:
             raise ChatError(
-                f"the conversation is {len(ids)} tokens and the model's context holds {limit};"
+                f"the conversation is {error.prompt_tokens} tokens and the model's context holds {error.context};"
                 " /clear starts a new one"
-            )
-        return ids
+            ) from None
+        except PromptError as error:
+            raise ChatError(str(error)) from None
 
     # ------------------------------------------------------------------ answering
 
@@ -375,23 +359,20 @@ class ChatSession:
         else:
             self.messages.append({"role": "user", "content": user})
         turn = Turn(user=user, settings=self.settings.as_dict(), regenerated=regenerated)
-        sampling = self.settings.sampling(self._generations)
-        spec = self.settings.spec()
-        self._generations += 1
-        parts: list[str] = []
-        finished = False
-        turn.stats.start()
+        generation: Generation | None = None
         try:
-            for event in self.decoder.generate(prompt_ids, sampling, spec):
-                turn.stats.observe(event)
-                self.stats.observe(event)
-                if isinstance(event, TokenEvent):
-                    parts.append(event.text)
-                yield event
-            finished = True
+            generation = self.generator.stream(
+                prompt_ids, self.settings.sampling.nth(self._generations), self.settings.spec
+            )
+            self._generations += 1
+            turn.stats = generation.stats
+            for response in generation:
+                self.stats.observe(response.event)
+                yield response.event
         finally:
-            turn.answer = "".join(parts)
-            turn.interrupted = not finished
+            if generation is not None:
+                turn.answer = generation.text
+            turn.interrupted = generation is None or not generation.finished
             self._settle(turn, previous)
 
     def _settle(self, turn: Turn, previous: dict | None) -> None:
@@ -417,19 +398,14 @@ class ChatSession:
         kernel set-up) then count against neither the first answer nor the baseline, and
         the template's head (system prompt included) is in the cache for the first turn.
         Nothing is recorded; the conversation is unchanged."""
-        from speccli.engine.decoder import SpeculativeDecoder
-
         ids = self.prompt_ids(self.conversation() + [{"role": "user", "content": "Hi"}])
         greedy = SamplingConfig()
-        k = self.settings.k if self.has_drafter else 0
+        k = self.settings.spec.k if self.has_drafter else 0
         if not isinstance(k, int):
             k = 4  # the adaptive policy's first step drafts this many
-        for _ in self.decoder.generate(ids, greedy, SpecConfig(k=k, max_new_tokens=k + 1)):
-            pass
+        self.generator.stream(ids, greedy, SpecConfig(k=k, max_new_tokens=k + 1)).run()
         if self.has_drafter:
-            plain = SpeculativeDecoder(self.decoder.target, self.tokenizer, eos_token_ids=(), drafter=None)
-            for _ in plain.generate(ids, greedy, SpecConfig(k=0, max_new_tokens=2)):
-                pass
+            self.generator.stream(ids, greedy, SpecConfig(k=0, max_new_tokens=2), plain=True, stop_at_eos=False).run()
 
     def wants_baseline(self) -> bool:
         turn = self.last_turn
@@ -439,7 +415,7 @@ class ChatSession:
             and self.baseline.remaining > 0
             and turn is not None
             and not turn.interrupted
-            and len(self.decoder.target.cached_tokens) > 0
+            and len(self.generator.target.cached_tokens) > 0
         )
 
     def measure_baseline(self) -> int:
@@ -448,23 +424,18 @@ class ChatSession:
         short by an exception (Ctrl-C) is not counted; the exception propagates."""
         if not self.wants_baseline():
             return 0
-        from speccli.engine.decoder import SpeculativeDecoder
-
-        target = self.decoder.target
+        target = self.generator.target
         context = list(target.cached_tokens)
         tokens = min(self.baseline.tokens_per_turn, self.baseline.remaining)
         if target.max_length is not None:
             tokens = min(tokens, target.max_length - len(context) - 1)
         if tokens < 1:
             return 0
-        plain = SpeculativeDecoder(target, self.tokenizer, eos_token_ids=(), drafter=None)
-        sampling = self.settings.sampling(0)
-        measured = GenerationStats()
-        for event in plain.generate(context, sampling, SpecConfig(k=0, max_new_tokens=tokens)):
-            measured.observe(event)
-        self.baseline.stats.add(measured)
+        spec = SpecConfig(k=0, max_new_tokens=tokens)
+        measured = self.generator.stream(context, self.settings.sampling, spec, plain=True, stop_at_eos=False).run()
+        self.baseline.stats.add(measured.stats)
         self.baseline.slices += 1
-        return measured.new_tokens
+        return measured.stats.new_tokens
 
     # ------------------------------------------------------------------ figures
 
@@ -473,7 +444,6 @@ class ChatSession:
         first = [t.stats.first_token_seconds for t in self.turns if t.stats.first_token_seconds is not None]
         speculative = stats.tokens_per_second
         plain = self.baseline.tokens_per_second
-        speedup = speculative / plain if speculative and plain and self.has_drafter else None
         return SessionReport(
             answers=len(self.turns),
             interrupted=sum(t.interrupted for t in self.turns),
@@ -492,7 +462,7 @@ class ChatSession:
                 if self.has_drafter
                 else "none needed: without a drafter every answer is plain target decoding"
             ),
-            speedup=speedup,
+            speedup=speedup(speculative, plain) if self.has_drafter else None,
             has_drafter=self.has_drafter,
         )
 

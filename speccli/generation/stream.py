@@ -1,0 +1,191 @@
+"""The one way to generate above the engine, in the spirit of mlx-lm's stream_generate.
+
+`Generator.stream(prompt, sampling, spec)` encodes the prompt (speccli.generation.prompts),
+checks that it fits the context, makes sure `k auto` starts from calibrated costs, and
+returns a `Generation`: iterate it for `Response`s (the engine's event plus the running
+figures); what it emitted accumulates on it, also when the iteration ends early. The plain
+baseline (the target alone, no drafter) comes from the same call with `plain=True`.
+
+generate, chat, bench and scripts/ all go through here; none of them drives the engine's
+decoder itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from speccli.config import AUTO_K, SamplingConfig, SpecConfig
+from speccli.engine.backends import CausalLM
+from speccli.engine.calibration import CostProfile
+from speccli.engine.decoder import SpeculativeDecoder, check_fits
+from speccli.engine.drafters import Drafter
+from speccli.engine.events import Event, TokenEvent
+from speccli.generation.prompts import Prompt, encode_prompt
+from speccli.stats import GenerationStats
+
+INTERRUPTED = "interrupted"
+
+# Measures pass costs for `k auto` (or reads them from a cache) for drafts up to max_k.
+Calibrate = Callable[[int], "CostProfile | None"]
+
+
+@dataclass(frozen=True)
+class Response:
+    """One event of a streamed generation, with the generation's running figures."""
+
+    event: Event
+    stats: GenerationStats
+
+    @property
+    def token(self) -> TokenEvent | None:
+        """The emitted token (its id, text and provenance), if this event is one."""
+        return self.event if isinstance(self.event, TokenEvent) else None
+
+    @property
+    def text(self) -> str:
+        """The text this event adds to the output ("" for events that are not tokens)."""
+        token = self.token
+        return token.text if token is not None else ""
+
+
+class Generation:
+    """One generation. Iterate it (once) for its Responses; its tokens, text and figures
+    accumulate here as they stream, so an iteration cut short (Ctrl-C, close()) still
+    leaves what was emitted, with `finish_reason` "interrupted"."""
+
+    def __init__(self, prompt_ids: list[int], events: Iterator[Event]) -> None:
+        self.prompt_ids = prompt_ids
+        self._events = events
+        self.stats = GenerationStats()
+        self.tokens: list[TokenEvent] = []
+
+    def __iter__(self) -> Iterator[Response]:
+        self.stats.start()
+        for event in self._events:
+            self.stats.observe(event)
+            if isinstance(event, TokenEvent):
+                self.tokens.append(event)
+            yield Response(event, self.stats)
+
+    def run(self) -> Generation:
+        """Generate to the end without streaming."""
+        for _ in self:
+            pass
+        return self
+
+    def close(self) -> None:
+        """End the generation where it is (the engine's generator is closed)."""
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            close()
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]
+
+    @property
+    def text(self) -> str:
+        return "".join(t.text for t in self.tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.stats.finish_reason is not None
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason or INTERRUPTED
+
+
+class Generator:
+    """A target, its drafter and its tokenizer, ready to generate.
+
+    Holds the speculative decoder (reused from one generation to the next, so what `k auto`
+    learned about this machine and this draft carries over across prompts and chat turns)
+    and the plain decoders over the same target and KV cache.
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, calibrate: Calibrate | None = None) -> None:
+        self.decoder = decoder
+        self._calibrate = calibrate
+        self._plain: dict[bool, SpeculativeDecoder] = {}
+
+    @classmethod
+    def over(
+        cls,
+        target: CausalLM,
+        tokenizer,
+        eos_token_ids: Sequence[int],
+        drafter: Drafter | None = None,
+        costs: CostProfile | None = None,
+        calibrate: Calibrate | None = None,
+    ) -> Generator:
+        return cls(SpeculativeDecoder(target, tokenizer, eos_token_ids, drafter, costs), calibrate)
+
+    @property
+    def target(self) -> CausalLM:
+        return self.decoder.target
+
+    @property
+    def tokenizer(self):
+        return self.decoder.tokenizer
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.decoder.drafter
+
+    def use_drafter(self, drafter: Drafter | None) -> None:
+        """Draft with `drafter` from now on. The same drafter keeps its decoder (and what
+        `k auto` learned); another one gets a new decoder with the same costs."""
+        if drafter is not self.decoder.drafter:
+            old = self.decoder
+            self.decoder = SpeculativeDecoder(old.target, old.tokenizer, old.eos_token_ids, drafter, old.costs)
+
+    def encode(self, prompt: Prompt | Sequence[int]) -> list[int]:
+        """Token ids of a prompt (ids are taken as they are). Raises PromptError, or
+        ContextOverflowError when the prompt leaves no room for a new token."""
+        ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, Prompt) else list(prompt)
+        check_fits(len(ids), self.target.max_length)
+        return ids
+
+    def calibrate(self, max_k: int) -> CostProfile | None:
+        """Give the decoder measured pass costs for `k auto`, unless it has them."""
+        if self.decoder.drafter is not None and self.decoder.costs is None and self._calibrate is not None:
+            self.decoder.costs = self._calibrate(max_k)
+        return self.decoder.costs
+
+    def stream(
+        self,
+        prompt: Prompt | Sequence[int],
+        sampling: SamplingConfig,
+        spec: SpecConfig,
+        *,
+        plain: bool = False,
+        stop_at_eos: bool = True,
+        cold: bool = False,
+    ) -> Generation:
+        """A generation from `prompt`: speculative, or (`plain`) the target alone.
+
+        stop_at_eos=False decodes past end-of-sequence tokens (a timing run). cold=True
+        empties the target's cache and the drafter's state first, so nothing of an earlier
+        generation is reused. The prompt is encoded and checked, and the costs calibrated,
+        before this returns; generating starts when the Generation is iterated.
+        """
+        if not stop_at_eos and not plain:
+            raise ValueError("only plain decoding can run past end-of-sequence tokens")
+        ids = self.encode(prompt)
+        decoder = self._plain_decoder(stop_at_eos) if plain else self.decoder
+        if decoder.drafter is not None and spec.k == AUTO_K:
+            self.calibrate(spec.max_k)
+        if cold:
+            self.target.rollback(0)
+            if decoder.drafter is not None:
+                decoder.drafter.rollback(0)
+        return Generation(ids, decoder.generate(ids, sampling, spec))
+
+    def _plain_decoder(self, stop_at_eos: bool) -> SpeculativeDecoder:
+        if stop_at_eos not in self._plain:
+            d = self.decoder
+            eos = d.eos_token_ids if stop_at_eos else ()
+            self._plain[stop_at_eos] = SpeculativeDecoder(d.target, d.tokenizer, eos, drafter=None)
+        return self._plain[stop_at_eos]

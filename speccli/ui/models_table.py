@@ -1,0 +1,35 @@
+"""`specgen models`: the aliases as a table for people, or JSON for scripts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from typing import TextIO
+
+from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, ModelListing, format_size
+
+FOOTER = (
+    "Also accepted: a Hugging Face hub id (owner/name), a local model folder, a .gguf file,"
+    " and for --draft: `ngram` (prompt lookup) or `none`."
+)
+
+
+def print_json(listings: list[ModelListing], stream: TextIO | None = None) -> None:
+    print(json.dumps([asdict(item) for item in listings], ensure_ascii=False, indent=2), file=stream or sys.stdout)
+
+
+def print_table(listings: list[ModelListing], stream: TextIO | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="specgen models", title_justify="left")
+    for column in ("alias", "family", "params", "resolves to", "available", "size"):
+        table.add_column(column, no_wrap=column != "resolves to")
+    for item in listings:
+        default = {DEFAULT_TARGET: " (default target)", DEFAULT_DRAFT: " (default draft)"}.get(item.alias, "")
+        table.add_row(item.alias + default, item.family, item.params, item.resolves_to, item.availability, format_size(item.size_bytes))
+    stream = stream or sys.stdout
+    console = Console(file=stream, width=None if stream.isatty() else 200)
+    console.print(table)
+    console.print(FOOTER)
