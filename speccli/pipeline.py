@@ -11,7 +11,7 @@ from speccli.engine.backends import HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, Drafter, ModelDrafter, PromptLookupDrafter
 from speccli.models.compat import check_tokenizers_compatible
-from speccli.models.loading import LoadedModel, dtype_name, load_model
+from speccli.models.loading import LoadedModel, dtype_name, load_tokenizer, load_weights
 
 NGRAM_DRAFT = "ngram"
 NO_DRAFT = "none"
@@ -57,19 +57,27 @@ def load_pipeline(
     progress: Callable[[str], None] | None = None,
 ) -> Pipeline:
     """Load the target and (unless the draft is `ngram` or `none`) the draft model,
-    refuse tokenizers that disagree, and build the decoder."""
-    target = load_model(target_name, target_config, progress=progress)
+    refuse tokenizers that disagree, and build the decoder.
+
+    Both tokenizers are loaded and compared before any weights, so that a mismatched
+    draft is refused in seconds."""
+    pending_target = load_tokenizer(target_name, target_config, progress=progress)
+    key = draft_name.strip().lower()
+    pending_draft = None
+    if key not in (NGRAM_DRAFT, NO_DRAFT):
+        pending_draft = load_tokenizer(draft_name, draft_config, progress=progress)
+        check_tokenizers_compatible(pending_target.tokenizer, pending_draft.tokenizer)
+
+    target = load_weights(pending_target, progress)
     target_lm = HFCausalLM(target.model)
     draft: LoadedModel | None = None
     drafter: Drafter | None
-    key = draft_name.strip().lower()
     if key == NGRAM_DRAFT:
         drafter = PromptLookupDrafter()
-    elif key == NO_DRAFT:
+    elif pending_draft is None:
         drafter = None
     else:
-        draft = load_model(draft_name, draft_config, progress=progress)
-        check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
+        draft = load_weights(pending_draft, progress)
         drafter = ModelDrafter(HFCausalLM(draft.model), target_lm.vocab_size, DEFAULT_STOP_CONFIDENCE)
     decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
