@@ -4,13 +4,13 @@ draft choice, and turning a user's text into prompt token ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from speccli.config import LoadConfig
-from speccli.engine.backends import HFCausalLM
+from speccli.engine.backends import CausalLM, HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, Drafter, ModelDrafter, PromptLookupDrafter
-from speccli.models.compat import check_tokenizers_compatible
+from speccli.models.compat import check_tokenizers_compatible, shared_vocab
 from speccli.models.loading import LoadedModel, dtype_name, load_tokenizer, load_weights
 
 NGRAM_DRAFT = "ngram"
@@ -78,9 +78,24 @@ def load_pipeline(
         drafter = None
     else:
         draft = load_weights(pending_draft, progress)
-        drafter = ModelDrafter(HFCausalLM(draft.model), target_lm.vocab_size, DEFAULT_STOP_CONFIDENCE)
+        drafter = model_drafter(target_lm, target.tokenizer, draft)
     decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
+
+
+def model_drafter(
+    target_lm: CausalLM, target_tokenizer: Any, draft: LoadedModel, stop_confidence: float = DEFAULT_STOP_CONFIDENCE
+) -> ModelDrafter:
+    """A drafter over ``draft`` for that target, proposing only ids both tokenizers know
+    (the tokenizers must have passed ``check_tokenizers_compatible``)."""
+    shared = shared_vocab(target_tokenizer, draft.tokenizer)
+    return ModelDrafter(
+        HFCausalLM(draft.model),
+        target_lm.vocab_size,
+        stop_confidence,
+        shared_vocab=shared.size,
+        substitute_id=shared.substitute_id,
+    )
 
 
 def chat_template_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
