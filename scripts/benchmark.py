@@ -48,8 +48,9 @@ from speccli.commands.bench_runner import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.engine.backends import HFCausalLM
 from speccli.engine.calibration import CostProfile, measure_costs
-from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, ModelDrafter, PromptLookupDrafter
+from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
 from speccli.generation.calibration import describe
+from speccli.generation.pipeline import model_drafter
 from speccli.generation.stream import Generator
 from speccli.models.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
@@ -87,7 +88,7 @@ class Bench:
         self.target_lm = target_lm
         # One generator per drafter, reused across prompts as a session would (the auto-k
         # policy keeps what it has learnt); caches are emptied before each timed run.
-        self.draft_drafter = ModelDrafter(HFCausalLM(spec_draft.model), target_lm.vocab_size, DEFAULT_STOP_CONFIDENCE)
+        self.draft_drafter = model_drafter(target_lm, target.tokenizer, spec_draft)
         self.ngram_drafter = PromptLookupDrafter()
         # Calibrated before timing, as a user's cached calibration would be.
         costs = None

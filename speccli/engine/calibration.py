@@ -81,9 +81,11 @@ def measure_costs(
         }
         draft_seconds = None
         if draft is not None:
+            # The draft's own ids: the target may know ids the draft's embedding has no row for.
+            draft_context = _filler(draft.vocab_size, context_tokens + 1)
             draft.rollback(0)
-            draft.forward(prompt, all_logits=False)
-            draft_seconds = _median_seconds(draft, len(prompt), fed_tokens[:1], repeats)
+            draft.forward(draft_context[:-1], all_logits=False)
+            draft_seconds = _median_seconds(draft, context_tokens, draft_context[-1:], repeats)
     finally:
         target.rollback(0)
         if draft is not None:

@@ -48,20 +48,21 @@ class Drafter(Protocol):
         ...
 
 
-def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Bring a draft model's logits to the target's vocabulary size.
+def align_vocab(logits: torch.Tensor, vocab_size: int, usable: int | None = None) -> torch.Tensor:
+    """Bring a draft model's logits to the target's vocabulary size, keeping only the
+    first ``usable`` ids (default: all the draft has) and giving the rest -inf.
 
-    Embedding matrices are often padded to different sizes; ids past the real
-    vocabulary are never produced by the tokenizer. The draft samples from the aligned
-    distribution, so q is exactly what it drew from and the rule stays lossless.
+    Embedding matrices are often padded to different sizes, and one tokenizer may know
+    more ids than the other; a padded row is not a token, nor is an id only one side
+    knows. The draft samples from the aligned distribution, so q is exactly what it
+    drew from and the rule stays lossless.
     """
     size = logits.shape[-1]
-    if size == vocab_size:
+    keep = min(size, vocab_size, size if usable is None else usable)
+    if keep == size == vocab_size:
         return logits
-    if size > vocab_size:
-        return logits[..., :vocab_size]
-    pad = logits.new_full((*logits.shape[:-1], vocab_size - size), float("-inf"))
-    return torch.cat([logits, pad], dim=-1)
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - keep), float("-inf"))
+    return torch.cat([logits[..., :keep], pad], dim=-1)
 
 
 # transformers' default for its assistant. On the offline Qwen pair here (bf16 target, int8 draft, k auto,
@@ -71,23 +72,45 @@ DEFAULT_STOP_CONFIDENCE = 0.4
 
 
 class ModelDrafter:
-    """A smaller causal LM of the same tokenizer drafts autoregressively from its own cache."""
+    """A smaller causal LM of the same tokenizer drafts autoregressively from its own cache.
+
+    Only the first ``shared_vocab`` ids are tokens to both models (default: every id both
+    models have rows for). The draft proposes only those, and is fed ``substitute_id``
+    in place of any other id in the context, which it may not be able to read.
+    """
 
     name = "model"
 
-    def __init__(self, model: CausalLM, target_vocab_size: int, stop_confidence: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        target_vocab_size: int,
+        stop_confidence: float = 0.0,
+        *,
+        shared_vocab: int | None = None,
+        substitute_id: int = 0,
+    ) -> None:
         if not 0.0 <= stop_confidence < 1.0:
             raise ValueError(f"stop_confidence must be in [0, 1), got {stop_confidence}")
         self.model = model
         self.target_vocab_size = target_vocab_size
+        readable = model.vocab_size if shared_vocab is None else shared_vocab
+        self.shared_vocab = min(target_vocab_size, model.vocab_size, readable)
+        if not 0 <= substitute_id < self.shared_vocab:
+            raise ValueError(f"substitute_id must be below {self.shared_vocab}, got {substitute_id}")
+        self.substitute_id = substitute_id
         # Drafting stops after a token the draft itself gave less than this probability:
         # the tokens after it would rarely survive, and each costs a draft pass.
         self.stop_confidence = stop_confidence
 
+    def _readable(self, ids: Sequence[int]) -> list[int]:
+        limit, substitute = self.shared_vocab, self.substitute_id
+        return [i if i < limit else substitute for i in ids]
+
     def start(self, context: Sequence[int]) -> None:
         """Reuse what the cache shares with the context and prefill the rest but the last
         token, so that the prompt's cost is not counted as drafting."""
-        settled = context[:-1]
+        settled = self._readable(context[:-1])
         reused = common_prefix_length(self.model.cached_tokens, settled)
         self.model.rollback(reused)
         if reused < len(settled):
@@ -107,11 +130,11 @@ class ModelDrafter:
             # The last context token's logits are not kept: score it again.
             self.model.rollback(len(context) - 1)
             cached = len(context) - 1
-        logits = self.model.forward(context[cached:], all_logits=False)[-1]
+        logits = self.model.forward(self._readable(context[cached:]), all_logits=False)[-1]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
-            row = align_vocab(logits, self.target_vocab_size)
+            row = align_vocab(logits, self.target_vocab_size, self.shared_vocab)
             if generator is not None:
                 row = row.to(generator.device)
             if sampling.greedy:

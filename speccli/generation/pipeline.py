@@ -4,14 +4,14 @@ and put behind one decoder, and the Generator every surface generates through.""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from speccli.config import LoadConfig
-from speccli.engine.backends import HFCausalLM
+from speccli.engine.backends import CausalLM, HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, Drafter, ModelDrafter, PromptLookupDrafter
-from speccli.models.compat import check_tokenizers_compatible
-from speccli.models.loading import LoadedModel, dtype_name, load_model
+from speccli.models.compat import check_tokenizers_compatible, shared_vocab
+from speccli.models.loading import LoadedModel, dtype_name, load_tokenizer, load_weights
 
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.generation.stream import Generator
@@ -68,19 +68,42 @@ def load_pipeline(
     progress: Callable[[str], None] | None = None,
 ) -> Pipeline:
     """Load the target and (unless the draft is `ngram` or `none`) the draft model,
-    refuse tokenizers that disagree, and build the decoder."""
-    target = load_model(target_name, target_config, progress=progress)
+    refuse tokenizers that disagree, and build the decoder.
+
+    Both tokenizers are loaded and compared before any weights, so that a mismatched
+    draft is refused in seconds."""
+    pending_target = load_tokenizer(target_name, target_config, progress=progress)
+    key = draft_name.strip().lower()
+    pending_draft = None
+    if key not in (NGRAM_DRAFT, NO_DRAFT):
+        pending_draft = load_tokenizer(draft_name, draft_config, progress=progress)
+        check_tokenizers_compatible(pending_target.tokenizer, pending_draft.tokenizer)
+
+    target = load_weights(pending_target, progress)
     target_lm = HFCausalLM(target.model)
     draft: LoadedModel | None = None
     drafter: Drafter | None
-    key = draft_name.strip().lower()
     if key == NGRAM_DRAFT:
         drafter = PromptLookupDrafter()
-    elif key == NO_DRAFT:
+    elif pending_draft is None:
         drafter = None
     else:
-        draft = load_model(draft_name, draft_config, progress=progress)
-        check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
-        drafter = ModelDrafter(HFCausalLM(draft.model), target_lm.vocab_size, DEFAULT_STOP_CONFIDENCE)
+        draft = load_weights(pending_draft, progress)
+        drafter = model_drafter(target_lm, target.tokenizer, draft)
     decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
+
+
+def model_drafter(
+    target_lm: CausalLM, target_tokenizer: Any, draft: LoadedModel, stop_confidence: float = DEFAULT_STOP_CONFIDENCE
+) -> ModelDrafter:
+    """A drafter over ``draft`` for that target, proposing only ids both tokenizers know
+    (the tokenizers must have passed ``check_tokenizers_compatible``)."""
+    shared = shared_vocab(target_tokenizer, draft.tokenizer)
+    return ModelDrafter(
+        HFCausalLM(draft.model),
+        target_lm.vocab_size,
+        stop_confidence,
+        shared_vocab=shared.size,
+        substitute_id=shared.substitute_id,
+    )

@@ -3,18 +3,19 @@
 Speculative decoding hands the draft's token ids straight to the target, so every id
 both tokenizers know must mean the same token string, and the special tokens must
 agree. One tokenizer may know more ids than the other (tokens appended at the end),
-and the models' embedding matrices may be padded to different sizes: the drafter
-aligns the logits (see ``engine.drafters.align_vocab``), which is a model-level
-matter, not a tokenizer-level one.
+and the models' embedding matrices may be padded to different sizes: the draft then
+proposes, and is fed, only the ids both know (:func:`shared_vocab`; the drafter
+aligns the logits, see ``engine.drafters.align_vocab``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from speccli.models.errors import TokenizerMismatchError
 
-__all__ = ["check_tokenizers_compatible"]
+__all__ = ["SharedVocab", "check_tokenizers_compatible", "shared_vocab"]
 
 SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
 
@@ -60,6 +61,22 @@ def check_tokenizers_compatible(target_tok: Any, draft_tok: Any) -> None:
                 f"draft {_show(str(d_tok))} (id {d_id})",
                 hint=_HINT,
             )
+
+
+@dataclass(frozen=True)
+class SharedVocab:
+    """What a draft may propose and be fed: the ids below ``size``, which both tokenizers
+    know; any other id reaches the draft as ``substitute_id`` (its unk token, else 0)."""
+
+    size: int
+    substitute_id: int
+
+
+def shared_vocab(target_tok: Any, draft_tok: Any) -> SharedVocab:
+    """The ids a compatible draft shares with its target (see :class:`SharedVocab`)."""
+    size = min(len(target_tok), len(draft_tok))
+    unk = getattr(draft_tok, "unk_token_id", None)
+    return SharedVocab(size, unk if isinstance(unk, int) and 0 <= unk < size else 0)
 
 
 def _show(token: str | None) -> str:

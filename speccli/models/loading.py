@@ -1,7 +1,9 @@
 """Load a named model and its tokenizer onto a device, in a dtype, quantized or not.
 
 ``load_model(name, LoadConfig(...))`` resolves the name (see ``registry.resolve``),
-picks the device, dtype and quantization, and calls transformers. Everything a user
+picks the device, dtype and quantization, and calls transformers. It is
+``load_tokenizer`` (seconds) then ``load_weights`` (up to minutes): a caller can look
+at the tokenizer, e.g. check a draft's against its target's, before any weights load. Everything a user
 can get wrong (a missing or gated model, no network, an unsupported architecture,
 a quantization this machine cannot do) comes out as :class:`ModelLoadError` with
 one line saying what was tried and a hint; anything else is a bug and propagates.
@@ -28,6 +30,7 @@ Choices worth knowing:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -36,7 +39,7 @@ import platform
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,7 @@ from speccli.models.registry import ALIASES, ResolvedModel, resolve
 
 __all__ = [
     "LoadedModel",
+    "PendingModel",
     "auto_cpu_dtype",
     "choose_device",
     "choose_dtype",
@@ -59,6 +63,8 @@ __all__ = [
     "cpu_has_fast_bf16",
     "cpu_name",
     "load_model",
+    "load_tokenizer",
+    "load_weights",
 ]
 
 Progress = Callable[[str], None]
@@ -576,20 +582,48 @@ def _model_kwargs(
     return kwargs
 
 
-def load_model(
+@contextlib.contextmanager
+def _explaining(name: str, resolved: ResolvedModel, quant: str, device: torch.device) -> Iterator[None]:
+    """Turn what a user can cause into a ModelLoadError (see :func:`_explain`); let bugs through."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        explained = _explain(exc, name, resolved, quant, device)
+        if explained is None:
+            raise
+        raise explained from exc
+
+
+@dataclass
+class PendingModel:
+    """A resolved model with its tokenizer loaded and its weights not yet: what
+    :func:`load_tokenizer` returns and :func:`load_weights` completes."""
+
+    name: str
+    config: LoadConfig
+    resolved: ResolvedModel
+    tokenizer: Any  # transformers tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    quant: str  # as chosen: "none", "int8", "4bit" or "8bit"
+    tokenizer_seconds: float  # resolving and loading the tokenizer took this long
+
+
+def load_tokenizer(
     name: str,
     config: LoadConfig,
     progress: Progress | None = None,
     cache_dir: Path | None = None,
     *,
     byte_progress: offline.ProgressFn | None = None,
-) -> LoadedModel:
-    """Resolve ``name`` and load it with its tokenizer per ``config``. Raises ModelLoadError.
+) -> PendingModel:
+    """Resolve ``name`` and load its tokenizer, but not its weights (see :func:`load_model`).
 
-    ``progress(message)`` hears about the long phases (assembling an offline model,
-    converting a tokenizer, loading/dequantizing the weights); ``byte_progress`` gets
-    byte counts while an offline model is assembled or verified. ``cache_dir`` holds
-    assembled offline models and converted GGUF tokenizers (default: specgen's cache).
+    Everything that can fail cheaply fails here: the device, dtype and quantization,
+    the name, and the tokenizer. An offline package is assembled, since its tokenizer
+    is in the file. Raises ModelLoadError.
     """
     say: Progress = progress or (lambda message: None)
     started = time.perf_counter()
@@ -604,18 +638,33 @@ def load_model(
         say(f"bitsandbytes is unavailable ({_bitsandbytes_problem()}): loading {name} unquantized")
     resolved = resolve(name, cache, progress, byte_progress=byte_progress) if peek.kind == "offline-package" else peek
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    if quant != "none":
-        _quiet_bitsandbytes()
-    try:
+    with _explaining(name, resolved, quant, device):
         if resolved.is_gguf:
             tokenizer = _load_gguf_tokenizer(resolved, cache, say)
-            say(f"loading {name}: dequantizing {resolved.gguf_file} to {dtype_name(dtype)} on {device} (takes a while)")
         else:
             tokenizer = _from_pretrained(
                 AutoTokenizer.from_pretrained, resolved, {"trust_remote_code": config.trust_remote_code}
             )
+    return PendingModel(name, config, resolved, tokenizer, device, dtype, quant, time.perf_counter() - started)
+
+
+def load_weights(pending: PendingModel, progress: Progress | None = None) -> LoadedModel:
+    """Load the weights of a model whose tokenizer :func:`load_tokenizer` loaded. Raises ModelLoadError."""
+    say: Progress = progress or (lambda message: None)
+    name, config, resolved = pending.name, pending.config, pending.resolved
+    device, dtype, quant = pending.device, pending.dtype, pending.quant
+
+    from transformers import AutoModelForCausalLM
+
+    started = time.perf_counter()
+    if quant != "none":
+        _quiet_bitsandbytes()
+    with _explaining(name, resolved, quant, device):
+        if resolved.is_gguf:
+            say(f"loading {name}: dequantizing {resolved.gguf_file} to {dtype_name(dtype)} on {device} (takes a while)")
+        else:
             what = f"quantizing to {quant}" if quant in ("4bit", "8bit") else dtype_name(dtype)
             say(f"loading {name} ({resolved.description}): {what} on {device}")
         model = _from_pretrained(
@@ -628,13 +677,6 @@ def load_model(
         if quant == "int8":
             say(f"quantizing {name} to int8 (dynamic, for the CPU)")
             model = quantize_int8(model)
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        explained = _explain(exc, name, resolved, quant, device)
-        if explained is None:
-            raise
-        raise explained from exc
     model.eval()
     linear = "stock"
     if device.type == "cpu" and config.cpu_linear == "auto" and onednn_problem() is None:
@@ -645,10 +687,30 @@ def load_model(
         name=name,
         resolved=resolved,
         model=model,
-        tokenizer=tokenizer,
+        tokenizer=pending.tokenizer,
         device=device,
         dtype=dtype,
         quant=(f"gguf→{'int8' if quant == 'int8' else dtype_name(dtype)}" if resolved.is_gguf else quant),
-        load_seconds=time.perf_counter() - started,
+        load_seconds=pending.tokenizer_seconds + time.perf_counter() - started,
         linear=linear,
     )
+
+
+def load_model(
+    name: str,
+    config: LoadConfig,
+    progress: Progress | None = None,
+    cache_dir: Path | None = None,
+    *,
+    byte_progress: offline.ProgressFn | None = None,
+) -> LoadedModel:
+    """Resolve ``name`` and load it with its tokenizer per ``config``. Raises ModelLoadError.
+
+    ``progress(message)`` hears about the long phases (assembling an offline model,
+    converting a tokenizer, loading/dequantizing the weights); ``byte_progress`` gets
+    byte counts while an offline model is assembled or verified. ``cache_dir`` holds
+    assembled offline models and converted GGUF tokenizers (default: specgen's cache).
+    The same as :func:`load_tokenizer` then :func:`load_weights`.
+    """
+    pending = load_tokenizer(name, config, progress, cache_dir, byte_progress=byte_progress)
+    return load_weights(pending, progress)
