@@ -259,12 +259,16 @@ def _stream_generation(
     renderer = recorder if as_json else PlainTextRenderer(sys.stdout)
     interrupted = False
     figures.start()
+    generation = pipeline.decoder.generate(prompt_ids, sampling, spec)
     try:
-        for event in pipeline.decoder.generate(prompt_ids, sampling, spec):
+        for event in generation:
             figures.observe(event)
             renderer.on_event(event)
     except KeyboardInterrupt:
         interrupted = True
+        for event in generation.flush():  # tokens held back, e.g. an incomplete character
+            figures.observe(event)
+            renderer.on_event(event)
     if as_json:
         payload = recorder.as_dict()
         payload["finish_reason"] = "interrupted" if interrupted else figures.finish_reason
