@@ -254,7 +254,9 @@ def _print_generation(pipeline, generation, sampling: SamplingConfig, spec: Spec
             if renderer is not None:
                 renderer.on_event(response.event)
     except KeyboardInterrupt:
-        generation.close()
+        for event in generation.close():  # held back until now, e.g. an incomplete character
+            if renderer is not None:
+                renderer.on_event(event)
     if as_json:
         dump_json(generation_json(generation, pipeline, sampling, spec), sys.stdout)
     elif sys.stdout.isatty():

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
+from collections import abc
 from typing import Any, Iterator
 
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig
 from speccli.engine.decoder import ContextOverflowError
-from speccli.engine.events import Event
+from speccli.engine.events import Event, TokenEvent
 from speccli.generation.prompts import Message, Prompt, PromptError
 from speccli.generation.stream import Generation, Generator
 from speccli.stats import GenerationStats, speedup
@@ -250,6 +251,26 @@ class SessionReport:
         return asdict(self)
 
 
+class Answer(Iterator[Event]):
+    """The events of one answer. `close()` ends it where it is (the REPL's Ctrl-C) and
+    returns the token events the engine held back until then (an incomplete multi-byte
+    character): they belong to the answer and are shown like the others."""
+
+    def __init__(self) -> None:
+        self.events: abc.Generator[Event, None, None] | None = None
+        self.tail: list[TokenEvent] = []
+
+    def __iter__(self) -> Answer:
+        return self
+
+    def __next__(self) -> Event:
+        return next(self.events)
+
+    def close(self) -> list[TokenEvent]:
+        self.events.close()
+        return self.tail
+
+
 class ChatSession:
     """The state of one `specgen chat`.
 
@@ -323,7 +344,7 @@ class ChatSession:
 
     # ------------------------------------------------------------------ answering
 
-    def ask(self, text: str) -> Iterator[Event]:
+    def ask(self, text: str) -> Answer:
         """Return the events of the answer to `text`. The message joins the conversation
         when the iterator starts; nothing changes if it is never started."""
         if not text.strip():
@@ -333,7 +354,7 @@ class ChatSession:
         prompt_ids = self.prompt_ids(self.conversation() + [user])
         return self._answer(prompt_ids, text, regenerated=False)
 
-    def regenerate(self) -> Iterator[Event]:
+    def regenerate(self) -> Answer:
         """Return the events of a new answer to the last user message; the last answer
         leaves the conversation when the iterator starts."""
         self._check_idle()
@@ -349,7 +370,12 @@ class ChatSession:
         if self._busy:
             raise ChatError("an answer is still being generated")
 
-    def _answer(self, prompt_ids: list[int], user: str, regenerated: bool) -> Iterator[Event]:
+    def _answer(self, prompt_ids: list[int], user: str, regenerated: bool) -> Answer:
+        answer = Answer()
+        answer.events = self._answer_events(prompt_ids, user, regenerated, answer)
+        return answer
+
+    def _answer_events(self, prompt_ids: list[int], user: str, regenerated: bool, answer: Answer) -> abc.Generator[Event, None, None]:
         self._check_idle()
         self._busy = True
         previous = None
@@ -370,6 +396,10 @@ class ChatSession:
                 self.stats.observe(response.event)
                 yield response.event
         finally:
+            if generation is not None and not generation.finished:
+                answer.tail = generation.close()
+                for event in answer.tail:
+                    self.stats.observe(event)
             if generation is not None:
                 turn.answer = generation.text
             turn.interrupted = generation is None or not generation.finished

@@ -8,7 +8,8 @@ row of logits per position: k + 1 rows for k drafted tokens.
 from __future__ import annotations
 
 import time
-from typing import Iterator, Sequence
+from collections.abc import Generator, Iterator
+from typing import Sequence
 
 import torch
 
@@ -23,6 +24,7 @@ from speccli.engine.events import (
     PrefillEvent,
     Provenance,
     StepEvent,
+    TokenEvent,
 )
 from speccli.engine.policy import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
 from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
@@ -62,6 +64,38 @@ def _make_generator(device: torch.device, seed: int | None) -> torch.Generator:
     return generator
 
 
+class EventStream(Iterator[Event]):
+    """The events of one generation, as `SpeculativeDecoder.generate` returns them.
+
+    A generation that runs to its end releases every token's event, its FinishEvent last.
+    A consumer that stops before the end (Ctrl-C, whether it lands in the engine or in the
+    consumer's own code, or a break) calls `flush()`: it ends the generation and returns
+    the token events still held back, so that the joined text of all token events is the
+    tokenizer's decode of their ids, an incomplete character at the end included (U+FFFD).
+    Held back are tokens whose text might begin a stop string and tokens ending in an
+    incomplete multi-byte character. They are tokens like the others (count them, show
+    them). After a generation that finished, `flush()` returns [].
+    """
+
+    def __init__(self, events: Generator[Event, None, None], output: OutputText) -> None:
+        self._events = events
+        self._output = output
+
+    def __iter__(self) -> "EventStream":
+        return self
+
+    def __next__(self) -> Event:
+        return next(self._events)
+
+    def close(self) -> None:
+        self._events.close()
+
+    def flush(self) -> list[TokenEvent]:
+        self._events.close()
+        self._output.finish()
+        return list(self._output.take())
+
+
 class SpeculativeDecoder:
     """Speculative decoding at batch size 1. With no drafter (or k = 0) it is plain
     target decoding through the same loop, which is what baselines are measured with."""
@@ -91,7 +125,19 @@ class SpeculativeDecoder:
         sampling: SamplingConfig,
         spec: SpecConfig,
         policy: DraftLengthPolicy | None = None,
-    ) -> Iterator[Event]:
+    ) -> EventStream:
+        """The events of one generation; see `EventStream` for a consumer that stops early."""
+        output = OutputText(self.tokenizer, prompt_ids, spec.stop_strings)
+        return EventStream(self._run(prompt_ids, sampling, spec, policy, output), output)
+
+    def _run(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        spec: SpecConfig,
+        policy: DraftLengthPolicy | None,
+        output: OutputText,
+    ) -> Generator[Event, None, None]:
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
         max_length = self.target.max_length
@@ -105,7 +151,6 @@ class SpeculativeDecoder:
         yield PrefillEvent(len(context), reused, time.perf_counter() - started)
 
         generator = _make_generator(self.target.device, sampling.seed)
-        output = OutputText(self.tokenizer, context, spec.stop_strings)
         emitted = 0
         step = 0
         while True:
@@ -145,7 +190,8 @@ class SpeculativeDecoder:
                     break
                 emitted += 1
                 provenance = provenance_of(position, len(draft), verdict.accepted)
-                yield from output.push(token, provenance, step, position)
+                output.push(token, provenance, step, position)
+                yield from output.take()
                 if output.stopped_by is not None:
                     finish = FinishReason.STOP_STRING
                     break
@@ -156,7 +202,11 @@ class SpeculativeDecoder:
             if finish is None and max_length is not None and len(context) >= max_length:
                 finish = FinishReason.CONTEXT
             if finish is not None:
-                yield from output.flush()
+                output.finish()
+                if output.stopped_by is not None:
+                    # Also when the stop string only showed in the last, incomplete character.
+                    finish = FinishReason.STOP_STRING
+                yield from output.take()
                 yield FinishEvent(
                     reason=finish,
                     new_tokens=emitted,

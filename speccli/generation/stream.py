@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig
 from speccli.engine.backends import CausalLM
 from speccli.engine.calibration import CostProfile
-from speccli.engine.decoder import SpeculativeDecoder, check_fits
+from speccli.engine.decoder import EventStream, SpeculativeDecoder, check_fits
 from speccli.engine.drafters import Drafter
 from speccli.engine.events import Event, TokenEvent
 from speccli.generation.prompts import Prompt, encode_prompt
@@ -54,7 +54,7 @@ class Generation:
     accumulate here as they stream, so an iteration cut short (Ctrl-C, close()) still
     leaves what was emitted, with `finish_reason` "interrupted"."""
 
-    def __init__(self, prompt_ids: list[int], events: Iterator[Event]) -> None:
+    def __init__(self, prompt_ids: list[int], events: EventStream) -> None:
         self.prompt_ids = prompt_ids
         self._events = events
         self.stats = GenerationStats()
@@ -74,11 +74,16 @@ class Generation:
             pass
         return self
 
-    def close(self) -> None:
-        """End the generation where it is (the engine's generator is closed)."""
-        close = getattr(self._events, "close", None)
-        if close is not None:
-            close()
+    def close(self) -> list[TokenEvent]:
+        """End the generation where it is (Ctrl-C, or a consumer that stops early) and
+        return the token events the engine still held back (an incomplete multi-byte
+        character, text that might begin a stop string): they join the tokens, text and
+        figures here, and a consumer shows them like the others. [] after a finished one."""
+        tail = self._events.flush()
+        for event in tail:
+            self.stats.observe(event)
+            self.tokens.append(event)
+        return tail
 
     @property
     def token_ids(self) -> list[int]:

@@ -14,9 +14,10 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, TextIO
+from typing import Callable, Optional, TextIO
 
 from speccli.commands.chat_session import (
+    Answer,
     DEFAULT_BASELINE_BUDGET,
     DEFAULT_BASELINE_TOKENS,
     DEFAULT_MAX_TOKENS,
@@ -27,7 +28,6 @@ from speccli.commands.chat_session import (
     SettingError,
 )
 from speccli.config import AUTO_K
-from speccli.engine.events import Event
 from speccli.errors import UsageError
 from speccli.generation.prompts import has_chat_template
 from speccli.ui.live import (
@@ -335,7 +335,7 @@ class ChatUI:
         self.stream_answer(events)
         return True
 
-    def stream_answer(self, events: Iterator[Event]) -> None:
+    def stream_answer(self, events: Answer) -> None:
         """Print an answer as it streams. Ctrl-C stops it; what was said stays. Then the
         figures line, then (when due) a baseline slice of the plain target."""
         self.tokens.begin()
@@ -346,9 +346,8 @@ class ChatUI:
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            close = getattr(events, "close", None)
-            if close is not None:
-                close()  # the session settles the answer
+            for event in events.close():  # the session settles the answer
+                self.tokens.on_event(event)  # held back until now (an incomplete character)
             self.tokens.end()
         turn = self.session.last_turn
         if turn is not None:
