@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import save_model_folder, wrap
 from speccli.generation import calibration as calibration_cache
@@ -33,6 +34,32 @@ def test_measure_costs_times_every_size_and_leaves_the_caches_empty(pairs):
 def test_measure_costs_without_a_draft_model(pairs):
     costs = measure_costs(wrap(pairs[0].target), None, max_fed=2, repeats=1, context_tokens=4)
     assert sorted(costs.verify_seconds) == [1, 2] and costs.draft_seconds is None
+
+
+class AsyncDevice:
+    """A backend that says it runs on CUDA: its passes must be waited for before timing."""
+
+    def __init__(self, model, log: list[str]) -> None:
+        self.model, self.log = model, log
+
+    device = property(lambda self: torch.device("cuda", 0))
+    vocab_size = property(lambda self: self.model.vocab_size)
+    cached_tokens = property(lambda self: self.model.cached_tokens)
+
+    def forward(self, token_ids, all_logits=True):
+        self.log.append("forward")
+        return self.model.forward(token_ids, all_logits)
+
+    def rollback(self, length):
+        self.model.rollback(length)
+
+
+def test_measure_costs_waits_for_each_cuda_pass_before_reading_the_clock(pairs, monkeypatch):
+    log: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append(f"wait {device}"))
+    measure_costs(AsyncDevice(wrap(pairs[0].target), log), None, max_fed=2, repeats=1, context_tokens=4)
+    timed = log[1:]  # after the untimed prefill of the context
+    assert timed == ["forward", "wait cuda:0"] * 4  # 2 sizes x (1 warm-up + 1 repeat)
 
 
 def test_cost_profile_round_trips_and_refuses_nonsense():

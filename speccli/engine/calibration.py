@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from speccli.engine.backends import CausalLM
 
 CONTEXT_TOKENS = 64  # a typical prompt's worth of cache: attention cost is part of a pass
@@ -50,11 +52,19 @@ def _filler(vocab_size: int, count: int) -> list[int]:
     return [(7919 * i + 11) % vocab_size for i in range(count)]
 
 
+def _wait_for(model: CausalLM) -> None:
+    """CUDA runs a pass asynchronously: wait for it to finish before reading the clock (the
+    decoder's own steps wait anyway, when they read the logits)."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
 def _median_seconds(model: CausalLM, settled: int, tokens: Sequence[int], repeats: int) -> float:
     times = []
     for _ in range(repeats + 1):  # the first of each size warms the kernels for that shape
         started = time.perf_counter()
         model.forward(tokens, all_logits=len(tokens) > 1)
+        _wait_for(model)
         times.append(time.perf_counter() - started)
         model.rollback(settled)
     return statistics.median(times[1:])
