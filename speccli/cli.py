@@ -12,6 +12,8 @@ import typer
 from speccli import __version__
 from speccli.config import AUTO_K, LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.ui.chat import command_help as _chat_help
+from speccli.ui.plain import print_generation, read_prompt
+from speccli.ui.progress import stderr_progress
 from speccli.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -89,29 +91,6 @@ class ModelOptions:
         return target, draft
 
 
-def _stderr_progress(quiet: bool) -> Callable[[str], None]:
-    """Progress messages on stderr; also quiets the libraries' own logging, and their
-    progress bars unless stderr is a terminal that wants them. Call it before importing
-    the engine: tqdm reads TQDM_* from the environment when it is first imported, and
-    transformers' GGUF loader calls tqdm directly."""
-    bars = not quiet and sys.stderr.isatty()
-    if not bars:
-        os.environ["TQDM_DISABLE"] = "1"
-    import transformers
-    from huggingface_hub.utils import disable_progress_bars
-
-    transformers.logging.set_verbosity_error()
-    if not bars:
-        transformers.logging.disable_progress_bar()
-        disable_progress_bars()
-
-    def progress(message: str) -> None:
-        if not quiet:
-            print(f"specgen: {message}", file=sys.stderr, flush=True)
-
-    return progress
-
-
 def _run_guarded(body: Callable[[], int]) -> None:
     """Run a command body, turning the errors a user can cause into one line and an exit code."""
     try:
@@ -130,28 +109,6 @@ def _run_guarded(body: Callable[[], int]) -> None:
         report(f"{type(error).__name__}: {error}", "rerun with SPECGEN_DEBUG=1 for the traceback")
         raise typer.Exit(EXIT_FAILURE)
     raise typer.Exit(code)
-
-
-def _read_prompt(argument: Optional[str]) -> str:
-    """The prompt is piped stdin (if any) followed by the argument."""
-    parts: list[str] = []
-    if not sys.stdin.isatty():
-        data = sys.stdin.buffer.read()
-        try:
-            piped = data.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise UsageError(
-                f"standard input is not valid UTF-8 (byte {error.start})",
-                "convert it first, e.g. iconv -t UTF-8",
-            ) from None
-        if piped.strip():
-            parts.append(piped.rstrip("\n"))
-    if argument is not None and argument.strip():
-        parts.append(argument)
-    prompt = "\n".join(parts)
-    if not prompt.strip():
-        raise UsageError("the prompt is empty", 'pass it as an argument or pipe it in: echo "..." | specgen generate')
-    return prompt
 
 
 TARGET_HELP = "Target model: an alias (see `specgen models`), a Hugging Face hub id, a local folder, or a .gguf file."
@@ -212,8 +169,8 @@ def generate(
     )
 
     def body() -> int:
-        progress = _stderr_progress(quiet)
-        from speccli.engine.decoder import ContextOverflowError
+        progress = stderr_progress(quiet)
+        from speccli.engine.context import ContextOverflowError
         from speccli.generation.pipeline import load_pipeline
         from speccli.generation.prompts import NoChatTemplateError, Prompt
 
@@ -226,7 +183,7 @@ def generate(
             spec = SpecConfig(k=draft_length, max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
         except ValueError as error:
             raise UsageError(str(error)) from None
-        text = _read_prompt(prompt)
+        text = read_prompt(prompt)
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
         try:
@@ -238,39 +195,10 @@ def generate(
                 f"the prompt is {error.prompt_tokens} tokens long and {options.target}'s context holds {error.context}",
                 "shorten the prompt",
             ) from None
-        return _print_generation(pipeline, generation, sampling, spec, as_json, stats)
+        finished = print_generation(pipeline, generation, sampling, spec, as_json, stats)
+        return 0 if finished else EXIT_INTERRUPTED
 
     _run_guarded(body)
-
-
-def _print_generation(pipeline, generation, sampling: SamplingConfig, spec: SpecConfig, as_json: bool, show_stats: bool) -> int:
-    """Stream one generation to stdout. On Ctrl-C what was generated stays printed (or goes
-    into the JSON, marked interrupted) and the exit code is 130."""
-    from speccli.ui.plain import PlainTextRenderer, dump_json, generation_json, stats_summary
-
-    renderer = None if as_json else PlainTextRenderer(sys.stdout)
-    try:
-        for response in generation:
-            if renderer is not None:
-                renderer.on_event(response.event)
-    except KeyboardInterrupt:
-        for event in generation.close():  # held back until now, e.g. an incomplete character
-            if renderer is not None:
-                renderer.on_event(event)
-    if as_json:
-        dump_json(generation_json(generation, pipeline, sampling, spec), sys.stdout)
-    elif sys.stdout.isatty():
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-    if show_stats:
-        models = f"target {pipeline.target.describe()}"
-        models += f"; draft {pipeline.draft.describe()}" if pipeline.draft else f"; drafter {pipeline.drafter_name}"
-        print(models, file=sys.stderr)
-        print(stats_summary(generation.stats), file=sys.stderr)
-    if not generation.finished:
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    return 0
 
 
 @app.command(help=_chat_help())
@@ -302,7 +230,7 @@ def chat(
     )
 
     def body() -> int:
-        progress = _stderr_progress(quiet)
+        progress = stderr_progress(quiet)
         from speccli.generation.pipeline import load_pipeline
         from speccli.ui.chat import run_chat
 
@@ -362,7 +290,7 @@ def bench(
     def body() -> int:
         from pathlib import Path
 
-        progress = _stderr_progress(quiet)
+        progress = stderr_progress(quiet)
         from speccli.commands.bench_prompts import load_prompts, parse_k_list
         from speccli.commands.bench_results import BenchSettings
         from speccli.commands.bench_runner import BenchRunner

@@ -8,7 +8,7 @@ import pytest
 from conftest import char_tokenizer, wrap
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.calibration import CostProfile
-from speccli.engine.decoder import ContextOverflowError
+from speccli.engine.context import ContextOverflowError
 from speccli.engine.drafters import ModelDrafter
 from speccli.engine.events import Provenance
 from speccli.generation.prompts import NoChatTemplateError, Prompt, PromptError, encode_prompt

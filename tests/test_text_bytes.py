@@ -212,15 +212,15 @@ def test_held_stop_string_prefix_then_incomplete_character(byte_tok):
 
 
 def test_stream_generation_prints_the_held_text_on_ctrl_c(byte_tok, model, capsys):
-    from speccli.cli import EXIT_INTERRUPTED, _print_generation
     from speccli.generation.stream import Generator
+    from speccli.ui.plain import print_generation
 
     backend = InterruptedBackend(model, at=5)
     generator = Generator(_decoder(model, byte_tok, drafted=False, backend=backend))
     sampling, spec = SamplingConfig(), SpecConfig(k=0, max_new_tokens=50)
     generation = generator.stream(byte_tok(PROMPT)["input_ids"], sampling, spec)
-    code = _print_generation(SimpleNamespace(), generation, sampling, spec, as_json=False, show_stats=False)
-    assert code == EXIT_INTERRUPTED
+    finished = print_generation(SimpleNamespace(), generation, sampling, spec, as_json=False, show_stats=False)
+    assert finished is False
     assert capsys.readouterr().out == byte_tok.decode(EXPECTED[:4]) == "é\ufffd"
 
 

@@ -32,7 +32,7 @@ from speccli.commands.bench_prompts import BenchInputError, BenchPrompt, encode_
 from speccli.commands.bench_results import BenchResults, BenchRow, BenchSettings, RunResult
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.backends import CausalLM
-from speccli.engine.decoder import ContextOverflowError
+from speccli.engine.context import ContextOverflowError
 from speccli.engine.drafters import Drafter
 from speccli.generation.stream import Generator
 

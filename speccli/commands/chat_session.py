@@ -11,14 +11,16 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, replace
 from collections import abc
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig
-from speccli.engine.decoder import ContextOverflowError
+from speccli.engine.context import ContextOverflowError
 from speccli.engine.events import Event, TokenEvent
 from speccli.generation.prompts import Message, Prompt, PromptError
-from speccli.generation.stream import Generation, Generator
 from speccli.stats import GenerationStats, speedup
+
+if TYPE_CHECKING:  # pragma: no cover - the engine (torch) loads when a session starts
+    from speccli.generation.stream import Generation, Generator
 
 SAVE_FORMAT = "specgen-chat/1"
 

@@ -29,22 +29,7 @@ from speccli.engine.events import (
 from speccli.engine.policy import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
 from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
 from speccli.engine.text import Detokenizer, OutputText
-from speccli.errors import UsageError
-
-
-class ContextOverflowError(UsageError, ValueError):
-    """A prompt that leaves no room in the model's context for a new token."""
-
-    def __init__(self, prompt_tokens: int, context: int) -> None:
-        super().__init__(f"the prompt is {prompt_tokens} tokens long and the model's context holds {context}")
-        self.prompt_tokens = prompt_tokens
-        self.context = context
-
-
-def check_fits(prompt_tokens: int, context: int | None) -> None:
-    """Raise ContextOverflowError unless a prompt this long leaves room for a new token."""
-    if context is not None and prompt_tokens >= context:
-        raise ContextOverflowError(prompt_tokens, context)
+from speccli.engine.context import check_fits
 
 
 def provenance_of(position: int, drafted: int, accepted: int) -> Provenance:

@@ -18,7 +18,8 @@ from typing import Callable, Iterator, Sequence
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig
 from speccli.engine.backends import CausalLM
 from speccli.engine.calibration import CostProfile
-from speccli.engine.decoder import EventStream, SpeculativeDecoder, check_fits
+from speccli.engine.context import check_fits
+from speccli.engine.decoder import EventStream, SpeculativeDecoder
 from speccli.engine.drafters import Drafter
 from speccli.engine.events import Event, TokenEvent
 from speccli.generation.prompts import Prompt, encode_prompt

@@ -1,8 +1,10 @@
-"""Renderers for pipes and scripts: plain streamed text, or one JSON object."""
+"""`generate` for pipes and scripts: the prompt read from stdin and the argument, the text
+streamed as it comes or one JSON object, statistics on stderr."""
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import TextIO
 
 from typing import TYPE_CHECKING
@@ -10,6 +12,8 @@ from typing import TYPE_CHECKING
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.events import Event, TokenEvent
 from speccli.stats import GenerationStats
+
+from speccli.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.generation.pipeline import Pipeline
@@ -88,3 +92,55 @@ def stats_summary(stats: GenerationStats) -> str:
         f" verify {stats.verify_seconds:.2f} s; finished by {stats.finish_reason or 'interrupt'}"
     )
     return "\n".join(lines)
+
+
+def read_prompt(argument: str | None) -> str:
+    """The prompt is piped stdin (if any) followed by the argument."""
+    parts: list[str] = []
+    if not sys.stdin.isatty():
+        data = sys.stdin.buffer.read()
+        try:
+            piped = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise UsageError(
+                f"standard input is not valid UTF-8 (byte {error.start})",
+                "convert it first, e.g. iconv -t UTF-8",
+            ) from None
+        if piped.strip():
+            parts.append(piped.rstrip("\n"))
+    if argument is not None and argument.strip():
+        parts.append(argument)
+    prompt = "\n".join(parts)
+    if not prompt.strip():
+        raise UsageError("the prompt is empty", 'pass it as an argument or pipe it in: echo "..." | specgen generate')
+    return prompt
+
+
+def print_generation(
+    pipeline: Pipeline, generation: Generation, sampling: SamplingConfig, spec: SpecConfig, as_json: bool, show_stats: bool
+) -> bool:
+    """Stream one generation to stdout: its text, or (as_json) one JSON object at the end;
+    statistics to stderr. On Ctrl-C what was generated stays printed (or goes into the JSON,
+    marked interrupted) and "interrupted" goes to stderr. Returns whether it finished."""
+    renderer = None if as_json else PlainTextRenderer(sys.stdout)
+    try:
+        for response in generation:
+            if renderer is not None:
+                renderer.on_event(response.event)
+    except KeyboardInterrupt:
+        for event in generation.close():  # held back until now, e.g. an incomplete character
+            if renderer is not None:
+                renderer.on_event(event)
+    if as_json:
+        dump_json(generation_json(generation, pipeline, sampling, spec), sys.stdout)
+    elif sys.stdout.isatty():
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if show_stats:
+        models = f"target {pipeline.target.describe()}"
+        models += f"; draft {pipeline.draft.describe()}" if pipeline.draft else f"; drafter {pipeline.drafter_name}"
+        print(models, file=sys.stderr)
+        print(stats_summary(generation.stats), file=sys.stderr)
+    if not generation.finished:
+        print("interrupted", file=sys.stderr)
+    return generation.finished

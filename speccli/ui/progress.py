@@ -1,8 +1,34 @@
-"""Progress of a long command on stderr: a bar when stderr is a terminal, else one line per event."""
+"""Progress on stderr: one-line messages (the libraries' own logging and bars quieted), and
+a bench's progress as a bar when stderr is a terminal, else one line per event."""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Callable
+
+
+def stderr_progress(quiet: bool) -> Callable[[str], None]:
+    """Progress messages on stderr; also quiets the libraries' own logging, and their
+    progress bars unless stderr is a terminal that wants them. Call it before importing
+    the engine: tqdm reads TQDM_* from the environment when it is first imported, and
+    transformers' GGUF loader calls tqdm directly."""
+    bars = not quiet and sys.stderr.isatty()
+    if not bars:
+        os.environ["TQDM_DISABLE"] = "1"
+    import transformers
+    from huggingface_hub.utils import disable_progress_bars
+
+    transformers.logging.set_verbosity_error()
+    if not bars:
+        transformers.logging.disable_progress_bar()
+        disable_progress_bars()
+
+    def progress(message: str) -> None:
+        if not quiet:
+            print(f"specgen: {message}", file=sys.stderr, flush=True)
+
+    return progress
 
 
 class BenchProgressDisplay:
