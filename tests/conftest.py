@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import site
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,40 @@ def tiny_llama(
         model.lm_head.weight.mul_(logit_scale)
     model.generation_config.pad_token_id = 0
     return model
+
+
+# More positions than a pipe or a terminal holds unread characters (a pipe 64 KiB by
+# default, a Linux pseudo-terminal some tens of KiB): an answer of 100000 tokens from a never_ends() target cannot finish while the test
+# has stopped reading, so an interrupt sent then always lands inside the generation.
+ENDLESS_CONTEXT = 1 << 17
+
+
+def never_ends(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Zero the output rows of <unk>, <s> and </s>: their logits are then 0, below the
+    largest of the other (random, either sign) logits, so greedy decoding never picks them. Every token then prints
+    one character, and an answer ends only at its length limit or the context's end."""
+    with torch.no_grad():
+        model.lm_head.weight[: len(SPECIALS)] = 0
+    return model
+
+
+def isolated_env(home: Path, **extra: str) -> dict[str, str]:
+    """The environment for a specgen child process with its own home: the calibration
+    cache (SPECGEN_CACHE), prompt history (XDG_STATE_HOME) and anything else kept under
+    HOME live in `home`, not in the user's folders shared with other tests and runs.
+    PYTHONUSERBASE keeps packages installed with `pip install --user` importable."""
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_STATE_HOME": str(home / "state"),
+        "SPECGEN_CACHE": str(home / "specgen-cache"),
+        "PYTHONUSERBASE": os.environ.get("PYTHONUSERBASE", site.getuserbase()),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "OMP_NUM_THREADS": "1",  # as above: tiny models on a shared 2-core machine
+    }
+    return {**env, **extra}
 
 
 def perturbed_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:

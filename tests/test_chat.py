@@ -9,13 +9,20 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import char_tokenizer, perturbed_copy, save_model_folder, tiny_llama
+from conftest import (
+    ENDLESS_CONTEXT,
+    char_tokenizer,
+    isolated_env,
+    never_ends,
+    perturbed_copy,
+    save_model_folder,
+    tiny_llama,
+)
 from speccli.commands.chat_session import ChatError, ChatSession, ChatSettings, SettingError
 from speccli.generation.prompts import encode_conversation
 from speccli.generation.stream import Generator
@@ -504,6 +511,21 @@ def folders(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def endless_folders(tmp_path_factory):
+    """A pair whose answers never end by </s> and whose context holds 100000 tokens and
+    more: a long answer outlasts whatever the terminal buffers before Ctrl-C arrives."""
+    tokenizer = chat_tokenizer()
+    target = never_ends(tiny_llama(len(tokenizer), seed=1, logit_scale=20.0, max_positions=ENDLESS_CONTEXT))
+    draft = perturbed_copy(target, noise=0.3, seed=11)
+    root = tmp_path_factory.mktemp("chat-endless")
+    return {
+        "root": root,
+        "target": str(save_model_folder(target, tokenizer, root / "target")),
+        "draft": str(save_model_folder(draft, tokenizer, root / "draft")),
+    }
+
+
 LAUNCHER = """\
 # Stand-in for `specgen chat` until the CLI command is wired.
 import sys
@@ -537,11 +559,12 @@ def chat_argv(folders, max_tokens: int, system: str = "be brief") -> list[str]:
 
 
 def child_env(tmp_path: Path, **extra) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "xterm-256color", "XDG_STATE_HOME": str(tmp_path / "state")}
+    """HOME, caches (the --k auto calibration) and history under tmp_path: nothing shared
+    with the user's folders, other tests or other runs."""
+    env = isolated_env(tmp_path, TERM="xterm-256color")
     env.pop("NO_COLOR", None)
     env.pop("SPECGEN_NO_HISTORY", None)
     env["PROMPT_TOOLKIT_NO_CPR"] = "1"  # nobody answers cursor position requests here
-    env["OMP_NUM_THREADS"] = "1"  # as conftest does: tiny models on a shared 2-core machine
     return {**env, **extra}
 
 
@@ -574,10 +597,9 @@ def test_set_k_auto_after_a_fixed_k_starts_calibrated(folders, tmp_path):
     assert len(list((cache / "calibration").glob("*.json"))) == 1
 
 
-def test_chat_in_a_real_terminal(folders, tmp_path):
+def test_chat_in_a_real_terminal(endless_folders, tmp_path):
     pexpect = pytest.importorskip("pexpect")
-    argv = chat_argv(folders, 40)
-    started = time.perf_counter()
+    argv = chat_argv(endless_folders, 40)
     child = pexpect.spawn(argv[0], argv[1:], cwd=str(REPO), env=child_env(tmp_path), encoding="utf-8", timeout=90, dimensions=(50, 200))
     try:
         child.expect_exact("/help for commands")
@@ -602,7 +624,11 @@ def test_chat_in_a_real_terminal(folders, tmp_path):
         child.expect_exact(">>>")
 
         # Ctrl-C in the middle of a long answer stops it; the session goes on.
+        # The answer cannot end before Ctrl-C: the target never says </s>, and 100000
+        # tokens (a character each at least) are more than the terminal buffers while we
+        # stop reading, so the child is still answering when the interrupt comes.
         child.send("/set max_tokens 100000\r")
+        child.expect_exact("max_tokens = 100000")  # not the prompt echoed with the input
         child.expect_exact(">>>")
         child.send("\x1b[200~tell me\neverything\x1b[201~\r")  # a bracketed paste: one message
         for _ in range(5):
@@ -633,4 +659,3 @@ def test_chat_in_a_real_terminal(folders, tmp_path):
     assert data["settings"]["k"] == 2 and data["settings"]["max_tokens"] == 100000
     history = (tmp_path / "state" / "specgen" / "history").read_text()
     assert "hello there" in history and "/set k 2" in history
-    assert time.perf_counter() - started < 60

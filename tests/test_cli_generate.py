@@ -13,7 +13,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import char_tokenizer, perturbed_copy, save_model_folder, tiny_llama
+from conftest import (
+    ENDLESS_CONTEXT,
+    char_tokenizer,
+    isolated_env,
+    never_ends,
+    perturbed_copy,
+    save_model_folder,
+    tiny_llama,
+)
 from speccli.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +39,16 @@ def folders(tmp_path_factory):
         "target": str(save_model_folder(target, tokenizer, root / "target")),
         "draft": str(save_model_folder(draft, tokenizer, root / "draft")),
     }
+
+
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory):
+    """A target whose greedy text never ends by </s>, one character a token, in a context
+    longer than any pipe holds unread."""
+    tokenizer = char_tokenizer()
+    target = never_ends(tiny_llama(len(tokenizer), seed=1, logit_scale=20.0, max_positions=ENDLESS_CONTEXT))
+    folder = save_model_folder(target, tokenizer, tmp_path_factory.mktemp("endless") / "target")
+    return {"tokenizer": tokenizer, "target_model": target, "target": str(folder)}
 
 
 def reference_text(folders, prompt: str, max_new: int) -> str:
@@ -86,18 +104,32 @@ def test_json_output(folders):
     assert sum(payload["stats"]["provenance"].values()) == 20
 
 
-def test_ctrl_c_keeps_what_was_printed_and_exits_130(folders):
+def test_ctrl_c_keeps_what_was_printed_and_exits_130(endless, tmp_path):
+    # Up to 100000 tokens of one character each, more than the pipe holds: once we stop
+    # reading, the child blocks on a full pipe long before its answer could end, so the
+    # interrupt always lands inside the generation, however late it comes.
     process = subprocess.Popen(
-        [sys.executable, "-m", "speccli.cli", "generate", "hello", *model_args(folders), "-n", "100000", "-q", "--draft", "none", "--dtype", "float32"],
+        [sys.executable, "-m", "speccli.cli", "generate", "hello", "--target", endless["target"], "-n", "100000", "-q", "--draft", "none", "--dtype", "float32"],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=isolated_env(tmp_path), bufsize=0,  # unbuffered: reading 8 bytes takes no more from the pipe
     )
-    first = process.stdout.read(8)  # generation has started
+    try:
+        import fcntl
+
+        fcntl.fcntl(process.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)  # the child runs at most a page ahead
+    except (ImportError, AttributeError, OSError):
+        pass  # not Linux: the default pipe, still far shorter than the answer
+    first = b""
+    while len(first) < 8:  # generation has started
+        chunk = process.stdout.read(8 - len(first))
+        if not chunk:
+            break
+        first += chunk
     process.send_signal(signal.SIGINT)
     rest, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130
+    assert process.returncode == 130, stderr.decode()
     assert len(first) == 8
-    assert (first + rest).decode() == reference_text(folders, "hello", 4000)[: len(first + rest)]
+    assert (first + rest).decode() == reference_text(endless, "hello", len(first + rest))
     assert b"interrupted" in stderr and b"Traceback" not in stderr
 
 
