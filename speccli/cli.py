@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Annotated, Callable, Optional
@@ -361,7 +361,12 @@ def models(
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    finally:
+        # The command is done (its exit code is set): a Ctrl-C now must not turn the
+        # interpreter's shutdown into a traceback from some library's finalizer.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
