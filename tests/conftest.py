@@ -67,6 +67,11 @@ def tiny_llama(
     return model
 
 
+# What tests that compare with an in-memory reference on the CPU pass to the CLI: on a
+# machine with CUDA, --device auto would pick it, and --quant auto 4-bit weights there.
+ON_CPU = ("--device", "cpu")
+
+
 # More positions than a pipe or a terminal holds unread characters (a pipe 64 KiB by
 # default, a Linux pseudo-terminal some tens of KiB): an answer of 100000 tokens from a never_ends() target cannot finish while the test
 # has stopped reading, so an interrupt sent then always lands inside the generation.
@@ -80,6 +85,15 @@ def never_ends(model: LlamaForCausalLM) -> LlamaForCausalLM:
     with torch.no_grad():
         model.lm_head.weight[: len(SPECIALS)] = 0
     return model
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch) -> Path:
+    """specgen's cache (calibrations) in this test's own folder, for the command run in the
+    test's process and for children that inherit its environment."""
+    cache = tmp_path / "specgen-cache"
+    monkeypatch.setenv("SPECGEN_CACHE", str(cache))
+    return cache
 
 
 def isolated_env(home: Path, **extra: str) -> dict[str, str]:
@@ -136,6 +150,15 @@ def model_pairs(vocab_size: int) -> list[ModelPair]:
             ),
         ),
     ]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

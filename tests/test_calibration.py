@@ -112,7 +112,7 @@ def folders(pairs, tokenizer, tmp_path_factory):
 def pipeline_for(folders, draft: str | None = None):
     target, draft_folder = folders
     return load_pipeline(
-        target, draft or draft_folder, LoadConfig(dtype="float32"), LoadConfig(dtype="float32", for_draft=True)
+        target, draft or draft_folder, LoadConfig("cpu", "float32"), LoadConfig("cpu", "float32", for_draft=True)
     )
 
 

@@ -16,6 +16,7 @@ import torch
 
 from conftest import (
     ENDLESS_CONTEXT,
+    ON_CPU,
     char_tokenizer,
     isolated_env,
     never_ends,
@@ -546,12 +547,12 @@ def cli_has_chat() -> bool:
     return any((c.name or c.callback.__name__) == "chat" for c in app.registered_commands)
 
 
-def chat_argv(folders, max_tokens: int, system: str = "be brief") -> list[str]:
+def chat_argv(folders, max_tokens: int, system: str = "be brief", where: tuple[str, ...] = ON_CPU) -> list[str]:
     """`specgen chat` once cli.py has it; a launcher calling run_chat until then."""
     if cli_has_chat():
         return [
             sys.executable, "-m", "speccli.cli", "chat", "--target", folders["target"], "--draft",
-            folders["draft"], "--dtype", "float32", "--max-new-tokens", str(max_tokens), "--system", system,
+            folders["draft"], *where, "--dtype", "float32", "--max-new-tokens", str(max_tokens), "--system", system,
         ]
     launcher = folders["root"] / "launch_chat.py"
     launcher.write_text(LAUNCHER)
@@ -581,6 +582,20 @@ def test_scripted_chat_reads_stdin_line_by_line(folders, tmp_path):
     assert len(result.stdout.decode().splitlines()) >= 2
     assert "k = 2" in stderr
     assert stderr.count("session: 2 answers") == 2  # /stats, then the report at the end
+
+
+@pytest.mark.cuda
+def test_chat_starts_and_answers_on_cuda(folders, tmp_path):
+    # --device auto and --quant auto: CUDA and 4-bit weights there, as a user gets them.
+    result = subprocess.run(
+        chat_argv(folders, 16, where=()), input=b"hello\n", capture_output=True, cwd=REPO,
+        env=child_env(tmp_path), timeout=300,
+    )
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr
+    assert "Traceback" not in stderr and "error:" not in stderr
+    assert result.stdout.strip()
+    assert "session: 1 answer, " in stderr
 
 
 def test_set_k_auto_after_a_fixed_k_starts_calibrated(folders, tmp_path):

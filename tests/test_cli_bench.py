@@ -9,8 +9,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from conftest import char_tokenizer, perturbed_copy, save_model_folder, tiny_llama
+from conftest import ON_CPU, char_tokenizer, perturbed_copy, save_model_folder, tiny_llama
 from speccli.cli import app
+
+# The commands here run with k auto (calibrating) unless told otherwise: keep it out of ~/.cache.
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 runner = CliRunner()
 
@@ -35,7 +38,7 @@ def bench(folders, *extra: str):
     return runner.invoke(
         app,
         ["bench", folders["prompts"], "--target", folders["target"], "--draft", folders["draft"],
-         "--dtype", "float32", "-n", "12", "-q", *extra],
+         *ON_CPU, "--dtype", "float32", "-n", "12", "-q", *extra],
     )
 
 
@@ -75,7 +78,7 @@ def test_table_to_file_and_plot(folders):
 
 def test_ngram_draft(folders):
     result = runner.invoke(
-        app, ["bench", folders["prompts"], "--target", folders["target"], "--draft", "ngram", "--dtype", "float32", "-n", "12", "-q", "--format", "json"]
+        app, ["bench", folders["prompts"], "--target", folders["target"], "--draft", "ngram", *ON_CPU, "--dtype", "float32", "-n", "12", "-q", "--format", "json"]
     )
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["metadata"]["drafter"] == "ngram"

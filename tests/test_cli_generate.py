@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from conftest import (
     ENDLESS_CONTEXT,
+    ON_CPU,
     char_tokenizer,
     isolated_env,
     never_ends,
@@ -23,6 +24,9 @@ from conftest import (
     tiny_llama,
 )
 from speccli.cli import app
+
+# The commands here run with k auto (calibrating) unless told otherwise: keep it out of ~/.cache.
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,8 +74,9 @@ def specgen(*args: str, stdin: bytes | None = None, env: dict | None = None) -> 
 
 
 def model_args(folders) -> list[str]:
-    # float32: greedy equality with the in-memory reference is exact only there.
-    return ["--target", folders["target"], "--draft", folders["draft"], "--dtype", "float32"]
+    # The CPU, as the in-memory reference (quant auto there: none for the target, int8 for the
+    # draft); float32: greedy equality with the reference is exact only there.
+    return ["--target", folders["target"], "--draft", folders["draft"], *ON_CPU, "--dtype", "float32"]
 
 
 def test_piped_output_is_exactly_the_targets_greedy_text(folders):
@@ -109,7 +114,7 @@ def test_ctrl_c_keeps_what_was_printed_and_exits_130(endless, tmp_path):
     # reading, the child blocks on a full pipe long before its answer could end, so the
     # interrupt always lands inside the generation, however late it comes.
     process = subprocess.Popen(
-        [sys.executable, "-m", "speccli.cli", "generate", "hello", "--target", endless["target"], "-n", "100000", "-q", "--draft", "none", "--dtype", "float32"],
+        [sys.executable, "-m", "speccli.cli", "generate", "hello", "--target", endless["target"], "-n", "100000", "-q", "--draft", "none", *ON_CPU, "--dtype", "float32"],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
         env=isolated_env(tmp_path), bufsize=0,  # unbuffered: reading 8 bytes takes no more from the pipe
     )
@@ -181,7 +186,7 @@ def test_missing_folder_is_refused(tmp_path):
 def test_ngram_and_plain_drafts_give_the_same_greedy_text(folders):
     expected = reference_text(folders, "abcabc", 24)
     for draft in ("ngram", "none"):
-        result = invoke(["generate", "abcabc", "--target", folders["target"], "--draft", draft, "-n", "24", "-q", "--dtype", "float32"])
+        result = invoke(["generate", "abcabc", "--target", folders["target"], "--draft", draft, "-n", "24", "-q", *ON_CPU, "--dtype", "float32"])
         assert result.exit_code == 0, result.stderr
         assert result.stdout == expected
 

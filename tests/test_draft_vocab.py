@@ -13,12 +13,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
-from conftest import char_tokenizer, save_model_folder, tiny_llama, wrap
+from conftest import ON_CPU, char_tokenizer, save_model_folder, tiny_llama, wrap
 from speccli.cli import app
 from speccli.config import SamplingConfig
 from speccli.engine.calibration import measure_costs
 from speccli.engine.drafters import ModelDrafter
 from speccli.models.compat import check_tokenizers_compatible, shared_vocab
+
+# The commands here run with k auto (calibrating) unless told otherwise: keep it out of ~/.cache.
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 TARGET_VOCAB, DRAFT_VOCAB = 400, 300
 
@@ -93,7 +96,7 @@ def reference_ids(pair, max_new: int) -> list[int]:
 def test_a_draft_with_a_prefix_vocabulary_gives_the_targets_greedy_text(prefix_pair, k, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
     args = ["generate", PROMPT, "--target", prefix_pair["target"], "--draft", prefix_pair["draft"]]
-    result = CliRunner().invoke(app, [*args, "--dtype", "float32", "-n", "24", "-q", "--k", k, "--json"])
+    result = CliRunner().invoke(app, [*args, *ON_CPU, "--dtype", "float32", "-n", "24", "-q", "--k", k, "--json"])
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["token_ids"] == reference_ids(prefix_pair, 24)

@@ -58,7 +58,7 @@ def folders(pairs, tokenizer, tmp_path_factory):
 
 def test_a_draft_loads_as_int8_in_float32_whatever_dtype_it_inherits(folders):
     _, draft_folder = folders["close-draft"]
-    loaded = load_model(draft_folder, LoadConfig(dtype="bfloat16", for_draft=True))
+    loaded = load_model(draft_folder, LoadConfig(device="cpu", dtype="bfloat16", for_draft=True))
     assert loaded.quant == "int8" and loaded.dtype is torch.float32
     kinds = {type(module) for module in loaded.model.modules()}
     assert torch.ao.nn.quantized.dynamic.Linear in kinds and torch.nn.Linear not in kinds
@@ -68,7 +68,7 @@ def test_a_draft_loads_as_int8_in_float32_whatever_dtype_it_inherits(folders):
 def test_an_explicit_int8_with_another_dtype_is_a_contradiction(folders):
     _, draft_folder = folders["close-draft"]
     with pytest.raises(ModelLoadError, match="computes in float32 around int8 weights, not in bfloat16"):
-        load_model(draft_folder, LoadConfig(dtype="bfloat16", quant="int8", for_draft=True))
+        load_model(draft_folder, LoadConfig(device="cpu", dtype="bfloat16", quant="int8", for_draft=True))
 
 
 @pytest.mark.parametrize("pair_index", [0, 1])

@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import save_model_folder, tiny_llama, wrap
+from conftest import ON_CPU, save_model_folder, tiny_llama, wrap
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.backends import HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
@@ -26,6 +26,10 @@ from speccli.engine.drafters import ModelDrafter
 from speccli.engine.events import FinishEvent, FinishReason, Provenance, StepEvent, TokenEvent
 from speccli.engine.text import OutputText
 from speccli.stats import GenerationStats
+
+# The commands here run with k auto (calibrating) unless told otherwise: keep it out of ~/.cache.
+pytestmark = pytest.mark.usefixtures("private_cache")
+
 
 REPO = Path(__file__).resolve().parents[1]
 SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -243,7 +247,7 @@ def specgen(*args: str, cache: Path) -> subprocess.CompletedProcess:
 def test_cli_stdout_and_json_end_inside_a_character(byte_tok, folder, tmp_path):
     expected = byte_tok.decode(EXPECTED[:5], skip_special_tokens=True)
     assert expected == "é\ufffd"
-    common = [PROMPT, "--target", folder, "--dtype", "float32", "-q", "-n", "5"]
+    common = [PROMPT, "--target", folder, *ON_CPU, "--dtype", "float32", "-q", "-n", "5"]
     plain = specgen("generate", *common, "--draft", folder, "--k", "3", cache=tmp_path)
     assert plain.returncode == 0, plain.stderr.decode()
     assert plain.stdout.decode() == expected
