@@ -120,3 +120,13 @@ def save_model_folder(model: LlamaForCausalLM, tokenizer, folder: Path) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def wrap_static(model: LlamaForCausalLM, **kwargs):
+    """The static-cache backend over a model (CUDA graphs only when the model is on CUDA)."""
+    from speccli.engine.static_backend import StaticCausalLM
+
+    return StaticCausalLM(model, **kwargs)
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
