@@ -150,6 +150,66 @@ def test_no_graphs_on_the_cpu(pairs):
     assert backend.graphed_sizes == []
 
 
+# --------------------------------------------------------------------------- choosing the backend
+
+
+def loaded(model, device="cpu", dtype=torch.float32, quant="none"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model=model, device=torch.device(device), dtype=dtype, quant=quant)
+
+
+def test_cuda_graphs_auto_picks_the_static_backend_only_on_cuda_in_half_precision_or_4_8_bit(pairs):
+    from speccli.generation.pipeline import uses_cuda_graphs
+
+    model = pairs[0].target
+    assert not uses_cuda_graphs(loaded(model))  # the CPU keeps the DynamicCache path
+    assert not uses_cuda_graphs(loaded(model, dtype=torch.bfloat16))
+    assert uses_cuda_graphs(loaded(model, "cuda", torch.bfloat16))
+    assert uses_cuda_graphs(loaded(model, "cuda:1", torch.float16))
+    assert uses_cuda_graphs(loaded(model, "cuda", torch.bfloat16, quant="4bit"))
+    assert uses_cuda_graphs(loaded(model, "cuda", torch.float32, quant="8bit"))
+    assert not uses_cuda_graphs(loaded(model, "cuda", torch.float32))
+    assert not uses_cuda_graphs(loaded(model, "cuda", torch.bfloat16), "off")
+
+
+def test_the_cpu_pipeline_keeps_the_dynamic_cache(pairs):
+    from speccli.generation.pipeline import backend_label, causal_lm
+    from speccli.engine.backends import HFCausalLM
+
+    lm = causal_lm(loaded(pairs[0].target))
+    assert isinstance(lm, HFCausalLM) and backend_label(lm) == "dynamic-cache"
+    assert backend_label(wrap_static(pairs[0].target)) == "static-cache"
+
+
+def test_generate_reports_the_backend_and_checks_the_option(tmp_path, tokenizer):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import save_model_folder
+
+    repo = Path(__file__).resolve().parents[1]
+    model = tiny_llama(len(tokenizer), seed=1, logit_scale=20.0)
+    folder = str(save_model_folder(model, tokenizer, tmp_path / "target"))
+
+    def specgen(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "speccli.cli", "generate", "abc", "--target", folder, "--draft", "none",
+             "--dtype", "float32", "-n", "4", "--json", "-q", *args],
+            capture_output=True, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo), "SPECGEN_CACHE": str(tmp_path)},
+            timeout=300,
+        )
+
+    ok = specgen("--cuda-graphs", "auto")
+    assert ok.returncode == 0, ok.stderr.decode()
+    assert json.loads(ok.stdout)["settings"]["backend"] == "dynamic-cache"
+    bad = specgen("--cuda-graphs", "on")
+    assert bad.returncode == 2 and "cuda_graphs must be one of auto, off" in bad.stderr.decode()
+
+
 # --------------------------------------------------------------------------- CUDA only
 
 
