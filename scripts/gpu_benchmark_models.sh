@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The benchmark on a CUDA machine: target and draft in 4-bit (bitsandbytes NF4) and unquantized.
 #
-#   bash scripts/gpu_benchmark.sh TARGET DRAFT [OUT_DIR]
+#   bash scripts/gpu_benchmark_models.sh TARGET DRAFT [OUT_DIR]
+#
+# (scripts/gpu_benchmark.sh times a synthetic 7B/0.5B pair instead: no download, random weights.)
 #
 # TARGET and DRAFT must be loadable there without a download: local folders or cached Hub ids
 # (Qwen/Qwen2.5-Coder-1.5B-Instruct, Qwen/Qwen2.5-Coder-0.5B-Instruct). bitsandbytes cannot
