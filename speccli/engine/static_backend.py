@@ -229,10 +229,13 @@ class StaticCausalLM:
     def _move_back(self, extra: int) -> None:
         lengths = self._lengths()
         if lengths and lengths[0].device.type != "cpu":
-            torch._foreach_sub_(lengths, extra)  # one fused launch for all layers, no sync
-        else:
-            for length in lengths:
-                length.sub_(extra)
+            try:
+                torch._foreach_sub_(lengths, extra)  # one fused launch for all layers, no sync
+                return
+            except RuntimeError:  # a torch without integer foreach kernels here
+                pass
+        for length in lengths:
+            length.sub_(extra)
 
     def _set_length(self, length: int, cache=None) -> None:
         with torch.inference_mode():
@@ -297,7 +300,8 @@ class StaticCausalLM:
         captured = self._graphs.get(n)
         if captured is None:
             try:
-                captured = self._capture(n, start)
+                with torch.cuda.device(self._device):  # capture on the model's device, not the current one
+                    captured = self._capture(n, start)
             except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly from now on
                 self.graphs_error = f"{type(error).__name__}: {error}"
                 self.graphs_enabled = False
@@ -305,7 +309,8 @@ class StaticCausalLM:
                 self._set_length(start)
                 return self._eager_chunks(token_ids, start, all_logits=True)
         graph, output = captured
-        graph.replay()
+        with torch.cuda.device(self._device):
+            graph.replay()
         # The output buffer is overwritten by the next replay: copy it out (float32).
         return output[0].to(torch.float32, copy=True)
 
