@@ -46,11 +46,10 @@ import torch
 from speccli.commands.bench_prompts import encode_bench_prompt, load_prompts
 from speccli.commands.bench_runner import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.engine.backends import HFCausalLM
 from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
 from speccli.generation.calibration import describe
-from speccli.generation.pipeline import model_drafter
+from speccli.generation.pipeline import backend_label, causal_lm, model_drafter
 from speccli.generation.stream import Generator
 from speccli.models.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
@@ -74,7 +73,7 @@ def strip_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 class Bench:
-    def __init__(self, target, draft, spec_draft, k: int | str) -> None:
+    def __init__(self, target, draft, spec_draft, k: int | str, cuda_graphs: str = "auto") -> None:
         self.target = target
         self.draft = draft
         self.spec_draft = spec_draft
@@ -84,11 +83,12 @@ class Bench:
         self.k = k
         pad = target.tokenizer.pad_token_id
         self.pad = pad if pad is not None else self.eos[0]
-        target_lm = HFCausalLM(target.model)
+        # As specgen runs them: on CUDA over a static cache replayed as CUDA graphs (--cuda-graphs).
+        target_lm = causal_lm(target, cuda_graphs)
         self.target_lm = target_lm
         # One generator per drafter, reused across prompts as a session would (the auto-k
         # policy keeps what it has learnt); caches are emptied before each timed run.
-        self.draft_drafter = model_drafter(target_lm, target.tokenizer, spec_draft)
+        self.draft_drafter = model_drafter(target_lm, target.tokenizer, spec_draft, cuda_graphs=cuda_graphs)
         self.ngram_drafter = PromptLookupDrafter()
         # Calibrated before timing, as a user's cached calibration would be.
         costs = None
@@ -189,7 +189,7 @@ def fmt(value, spec: str = ".2f") -> str:
 
 def run_dtype(dtype: str, args, prompts) -> dict:
     methods = args.methods
-    config = LoadConfig(device=args.device, dtype=dtype, quant=args.quant)
+    config = LoadConfig(device=args.device, dtype=dtype, quant=args.quant, cuda_graphs=args.cuda_graphs)
     started = time.perf_counter()
     target = load_model(args.target, config, progress=log)
     # The draft transformers' assisted generation gets: loaded as transformers would, stock kernels.
@@ -200,7 +200,7 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     target_description = target.describe()
     log(f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; target: {target_description};"
         f" specgen's draft: {spec_draft.describe()}")
-    bench = Bench(target, draft, spec_draft, args.k)
+    bench = Bench(target, draft, spec_draft, args.k, args.cuda_graphs)
     encoded = [(p, encode_bench_prompt(target.tokenizer, p)) for p in prompts]
 
     # Warm-up: one short generate per method, untimed.
@@ -275,8 +275,13 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     n_div = sum(1 for r in rows for m in methods[1:] if not r["methods"][m]["identical"])
     print(f"divergences from hf-plain: {n_div}" + (" (ERRORS: float32 must match exactly)" if errors else ""))
 
+    backends = {"target": backend_label(bench.target_lm), "draft": backend_label(bench.draft_drafter.model),
+                "target_graphs_error": getattr(bench.target_lm, "graphs_error", None),
+                "draft_graphs_error": getattr(bench.draft_drafter.model, "graphs_error", None)}
+    print(f"specgen backends: {backends}")
     del bench, target, draft, spec_draft
-    return {"dtype": dtype, "load_seconds": load_seconds, "specgen_target": target_description, "rows": rows, "median_tokens_per_second": medians,
+    return {"dtype": dtype, "load_seconds": load_seconds, "specgen_target": target_description,
+            "specgen_backends": backends, "rows": rows, "median_tokens_per_second": medians,
             "ratio_of_medians": ratios, "median_of_per_prompt_ratios": per_prompt_ratio,
             "lowest_per_prompt_ratios": worst_prompt_ratio,
             "divergences": [r["methods"][m]["divergence"] for r in rows for m in methods[1:]
@@ -298,6 +303,9 @@ def main() -> int:
                         help="take N prompts, one category after another (file order within each)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", default="auto", help="specgen draft length: a number or auto")
+    parser.add_argument("--cuda-graphs", default="auto", choices=("auto", "off"),
+                        help="specgen's backend on CUDA: auto (static cache + CUDA graphs for bf16/fp16/4-bit/8-bit)"
+                             " or off (DynamicCache)")
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated subset of the methods (hf-plain always runs: it is the reference)")

@@ -84,6 +84,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTS = ("auto", "4bit", "8bit", "int8", "none")
 CPU_LINEAR = ("auto", "stock")
+CUDA_GRAPHS = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ class LoadConfig:
     PyTorch's dynamic int8 for a draft (`for_draft`), whose speed is what matters there.
     cpu_linear: auto runs float32 linear layers on the CPU through oneDNN (see
     speccli.models.onednn); stock keeps PyTorch's default kernels.
+    cuda_graphs: auto runs a model on CUDA in bfloat16/float16 or bitsandbytes 4/8-bit over a
+    static KV cache replayed as CUDA graphs (speccli.engine.static_backend); off, and every
+    model on the CPU, keeps transformers' DynamicCache (speccli.engine.backends.HFCausalLM).
     """
 
     device: str = "auto"
@@ -104,6 +108,7 @@ class LoadConfig:
     trust_remote_code: bool = False
     for_draft: bool = False
     cpu_linear: str = "auto"
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -114,3 +119,5 @@ class LoadConfig:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
         if self.cpu_linear not in CPU_LINEAR:
             raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR)}, got {self.cpu_linear!r}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")

@@ -155,7 +155,7 @@ def model_pairs(vocab_size: int) -> list[ModelPair]:
 def pytest_collection_modifyitems(config, items) -> None:
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
@@ -179,3 +179,12 @@ def save_model_folder(model: LlamaForCausalLM, tokenizer, folder: Path) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def wrap_static(model: LlamaForCausalLM, **kwargs):
+    """The static-cache backend over a model (CUDA graphs only when the model is on CUDA)."""
+    from speccli.engine.static_backend import StaticCausalLM
+
+    return StaticCausalLM(model, **kwargs)
+
+

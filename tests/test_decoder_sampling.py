@@ -16,7 +16,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from conftest import char_tokenizer, perturbed_copy, tiny_llama, wrap
+from conftest import char_tokenizer, perturbed_copy, tiny_llama, wrap, wrap_static
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import ModelDrafter
@@ -80,22 +80,24 @@ def small_pair():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sampling, stop_confidence",
+    "sampling, stop_confidence, backend",
     [
-        (SamplingConfig(temperature=1.0, seed=1234), 0.0),
-        (SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, seed=4321), 0.0),
+        (SamplingConfig(temperature=1.0, seed=1234), 0.0, wrap),
+        (SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, seed=4321), 0.0, wrap),
         # Stopping the draft after a token it was unsure of decides the draft length from
         # the sampled tokens themselves: a stopping time, so the output stays exact.
-        (SamplingConfig(temperature=1.0, seed=2468), 0.12),
+        (SamplingConfig(temperature=1.0, seed=2468), 0.12, wrap),
+        # The static-cache backend (rollback moves a write position) samples exactly too.
+        (SamplingConfig(temperature=1.0, seed=1357), 0.12, wrap_static),
     ],
-    ids=["t1", "t0.7-topk6-topp0.9", "t1-early-stop"],
+    ids=["t1", "t0.7-topk6-topp0.9", "t1-early-stop", "t1-early-stop-static-cache"],
 )
-def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sampling, stop_confidence):
+def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sampling, stop_confidence, backend):
     tokenizer, target, draft = small_pair
     vocab = len(tokenizer)
     prompt = tokenizer("abc", add_special_tokens=False)["input_ids"]
-    drafter = ModelDrafter(wrap(draft), vocab, stop_confidence=stop_confidence)
-    decoder = SpeculativeDecoder(wrap(target), tokenizer, [], drafter)
+    drafter = ModelDrafter(backend(draft), vocab, stop_confidence=stop_confidence)
+    decoder = SpeculativeDecoder(backend(target), tokenizer, [], drafter)
     spec = SpecConfig(k=2, max_new_tokens=CONTINUATION)
     generator_seed = torch.Generator().manual_seed(sampling.seed)
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)

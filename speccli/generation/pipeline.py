@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+
 from speccli.config import LoadConfig
 from speccli.engine.backends import CausalLM, HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, Drafter, ModelDrafter, PromptLookupDrafter
+from speccli.engine.static_backend import StaticCausalLM, static_cache_problem
 from speccli.models.compat import check_tokenizers_compatible, shared_vocab
 from speccli.models.loading import LoadedModel, dtype_name, load_tokenizer, load_weights
 
@@ -57,6 +60,7 @@ class Pipeline:
             "quant": self.target.quant,
             "draft_quant": self.draft.quant if self.draft else "none",
             "linear": self.target.linear,
+            "backend": backend_label(self.decoder.target),
         }
 
 
@@ -80,7 +84,7 @@ def load_pipeline(
         check_tokenizers_compatible(pending_target.tokenizer, pending_draft.tokenizer)
 
     target = load_weights(pending_target, progress)
-    target_lm = HFCausalLM(target.model)
+    target_lm = causal_lm(target, target_config.cuda_graphs)
     draft: LoadedModel | None = None
     drafter: Drafter | None
     if key == NGRAM_DRAFT:
@@ -89,19 +93,49 @@ def load_pipeline(
         drafter = None
     else:
         draft = load_weights(pending_draft, progress)
-        drafter = model_drafter(target_lm, target.tokenizer, draft)
+        drafter = model_drafter(target_lm, target.tokenizer, draft, cuda_graphs=draft_config.cuda_graphs)
     decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
 
 
+def uses_cuda_graphs(loaded: LoadedModel, cuda_graphs: str = "auto") -> bool:
+    """Whether `cuda_graphs` (auto/off) puts this model on the static-cache backend with CUDA
+    graphs: auto does on CUDA for bfloat16/float16 weights and bitsandbytes 4/8-bit models, when
+    the model's layers are all full attention over sdpa or eager attention. A model on the CPU
+    never does: there transformers' DynamicCache is what runs fastest."""
+    if cuda_graphs == "off" or torch.device(loaded.device).type != "cuda":
+        return False
+    if loaded.quant not in ("4bit", "8bit") and loaded.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return static_cache_problem(loaded.model) is None
+
+
+def causal_lm(loaded: LoadedModel, cuda_graphs: str = "auto") -> CausalLM:
+    """The backend a loaded model decodes through (see `uses_cuda_graphs`)."""
+    if uses_cuda_graphs(loaded, cuda_graphs):
+        return StaticCausalLM(loaded.model, graphs=True)
+    return HFCausalLM(loaded.model)
+
+
+def backend_label(lm: CausalLM) -> str:
+    """dynamic-cache, static-cache, or static-cache+cuda-graphs (for reports)."""
+    if isinstance(lm, StaticCausalLM):
+        return "static-cache+cuda-graphs" if lm.graphs_enabled else "static-cache"
+    return "dynamic-cache"
+
+
 def model_drafter(
-    target_lm: CausalLM, target_tokenizer: Any, draft: LoadedModel, stop_confidence: float = DEFAULT_STOP_CONFIDENCE
+    target_lm: CausalLM,
+    target_tokenizer: Any,
+    draft: LoadedModel,
+    stop_confidence: float = DEFAULT_STOP_CONFIDENCE,
+    cuda_graphs: str = "auto",
 ) -> ModelDrafter:
     """A drafter over ``draft`` for that target, proposing only ids both tokenizers know
     (the tokenizers must have passed ``check_tokenizers_compatible``)."""
     shared = shared_vocab(target_tokenizer, draft.tokenizer)
     return ModelDrafter(
-        HFCausalLM(draft.model),
+        causal_lm(draft, cuda_graphs),
         target_lm.vocab_size,
         stop_confidence,
         shared_vocab=shared.size,

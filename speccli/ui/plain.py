@@ -57,6 +57,7 @@ def generation_json(generation: Generation, pipeline: Pipeline, sampling: Sampli
             "dtype": info["dtype"], "device": info["device"], "quant": info["quant"],
             "draft_quant": pipeline.draft.quant if pipeline.draft else None,
             "linear": info["linear"],
+            "backend": info["backend"],
         },
         "stats": generation.stats.as_dict(),
     }
