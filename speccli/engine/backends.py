@@ -54,26 +54,19 @@ def _output_size(model: torch.nn.Module) -> int:
     return int(size) if size is not None else int(head.weight.shape[0])
 
 
-class HFCausalLM:
-    """A transformers causal LM plus its DynamicCache.
-
-    Rolling back crops the cache in place (`DynamicCache.crop` with a negative count in
-    transformers 5.x): nothing is copied and nothing is prefilled again.
-    """
+class TransformersLM:
+    """What the transformers backends share: the model in eval mode, its output size, how
+    its forward names the cache, its device, and the ids the cache holds."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
-        from transformers import DynamicCache
-
         self.model = model.eval()
         self._vocab_size = vocab_size or _output_size(model)
-        self._new_cache = lambda: DynamicCache(config=model.config)
-        self._cache = self._new_cache()
-        self._tokens: list[int] = []
         # transformers 5.x names the argument `cache`; 4.x called it `past_key_values`.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in params
         self._device = next(model.parameters()).device
+        self._tokens: list[int] = []
         # Wall time spent inside forward(), for measuring the engine's own overhead.
         self.forward_seconds = 0.0
 
@@ -92,6 +85,21 @@ class HFCausalLM:
     @property
     def max_length(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
+
+
+class HFCausalLM(TransformersLM):
+    """A transformers causal LM plus its DynamicCache.
+
+    Rolling back crops the cache in place (`DynamicCache.crop` with a negative count in
+    transformers 5.x): nothing is copied and nothing is prefilled again.
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
+        from transformers import DynamicCache
+
+        super().__init__(model, vocab_size)
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        self._cache = self._new_cache()
 
     def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
         if not token_ids:

@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from speccli.engine.backends import _output_size
+from speccli.engine.backends import TransformersLM
 
 DEFAULT_CAPACITY = 4096
 DEFAULT_MAX_FED = 16  # verification feeds k + 1 tokens; k auto goes up to 8 by default
@@ -76,7 +76,7 @@ def static_cache_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
-class StaticCausalLM:
+class StaticCausalLM(TransformersLM):
     """A transformers causal LM over a StaticCache; CUDA graphs per fed size on CUDA."""
 
     def __init__(
@@ -92,48 +92,23 @@ class StaticCausalLM:
         problem = static_cache_problem(model)
         if problem is not None:
             raise StaticCacheUnsupported(f"the static-cache backend cannot serve this model: {problem}")
-        self.model = model.eval()
-        self._vocab_size = vocab_size or _output_size(model)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._supports_logits_to_keep = "logits_to_keep" in params
-        self._device = next(model.parameters()).device
+        super().__init__(model, vocab_size)
         self._dtype = model.get_input_embeddings().weight.dtype
         if not self._dtype.is_floating_point:
             self._dtype = torch.float32
-        self._max_length: int | None = getattr(model.config, "max_position_embeddings", None)
         wanted = capacity or DEFAULT_CAPACITY
-        self._capacity = min(wanted, self._max_length) if self._max_length else wanted
+        self._capacity = min(wanted, self.max_length) if self.max_length else wanted
         self.max_fed = max(1, max_fed)
         self.prefill_chunk = max(1, prefill_chunk)
         self.graphs_enabled = bool(graphs) and self._device.type == "cuda"
         self.graphs_error: str | None = None
-        self._tokens: list[int] = []
         self._cache = self._new_cache(self._capacity)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._ids_buffer: torch.Tensor | None = None
         self._positions_buffer: torch.Tensor | None = None
-        # Wall time spent inside forward(), for measuring the engine's own overhead.
-        self.forward_seconds = 0.0
 
     # ------------------------------------------------------------------ protocol
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def cached_tokens(self) -> Sequence[int]:
-        return self._tokens
-
-    @property
-    def max_length(self) -> int | None:
-        return self._max_length
 
     @property
     def capacity(self) -> int:
@@ -187,11 +162,11 @@ class StaticCausalLM:
         its contents, when needed). Raises ValueError past the model's context."""
         if length <= self._capacity:
             return
-        if self._max_length is not None and length > self._max_length:
-            raise ValueError(f"a context of {length} tokens exceeds the model's {self._max_length}")
+        if self.max_length is not None and length > self.max_length:
+            raise ValueError(f"a context of {length} tokens exceeds the model's {self.max_length}")
         grown = max(length, 2 * self._capacity)
-        if self._max_length is not None:
-            grown = min(grown, self._max_length)
+        if self.max_length is not None:
+            grown = min(grown, self.max_length)
         old = self._cache
         self._cache = self._new_cache(grown)
         self._capacity = grown
