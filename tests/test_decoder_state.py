@@ -7,7 +7,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from conftest import wrap
+from conftest import wrap, wrap_static
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.backends import HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
@@ -44,10 +44,11 @@ def assert_cache_matches_fresh_prefill(backend: HFCausalLM, model, next_token: i
     assert list(backend.cached_tokens) == cached
 
 
+@pytest.mark.parametrize("backend", [wrap, wrap_static], ids=["dynamic-cache", "static-cache"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0, seed=3)])
-def test_rolled_back_caches_equal_a_fresh_prefill(pairs, tokenizer, sampling):
+def test_rolled_back_caches_equal_a_fresh_prefill(pairs, tokenizer, sampling, backend):
     pair = pairs[0]
-    target, draft = wrap(pair.target), wrap(pair.draft)
+    target, draft = backend(pair.target), backend(pair.draft)
     decoder = SpeculativeDecoder(target, tokenizer, [], ModelDrafter(draft, len(tokenizer)))
     prompt = encode(tokenizer, "def fib(n):")
     context = list(prompt)
