@@ -432,7 +432,7 @@ def test_a_failing_run_becomes_an_error_row_and_the_bench_goes_on(pairs, tokeniz
     assert results.overall.failures == 1 and results.overall.completed == 1 and results.overall.speedup.n == 1
 
 
-def test_seeded_sampling_rows_are_compared_and_share_a_seed(pairs, tokenizer):
+def test_seeded_sampling_rows_share_a_seed_and_print_the_plain_sample(pairs, tokenizer):
     pair = pairs[0]
     settings = BenchSettings(
         sampling=SamplingConfig(temperature=1.0, seed=3), max_new_tokens=MAX_NEW, ks=(2, "auto"), repeat=2, warmup=False
@@ -441,9 +441,11 @@ def test_seeded_sampling_rows_are_compared_and_share_a_seed(pairs, tokenizer):
         [BenchPrompt("a", text="hello")], wrap(pair.target), tokenizer, [EOS],
         lambda: ModelDrafter(wrap(pair.draft), len(tokenizer)), settings,
     )
-    # With a seed, sampling is coupled: the speculative run prints the plain run's sample.
-    assert [r.identical for r in results.rows] == [True] * 4
-    assert results.errors == [] and results.overall.mismatches == 0
+    # Sampling rows are not compared (in bfloat16 rounding makes seeded runs diverge at
+    # near-ties far more often than greedy ones), but with a seed sampling is coupled:
+    # in float32 the speculative run prints the plain run's sample.
+    assert [r.identical for r in results.rows] == [None] * 4 and results.errors == []
+    assert all(r.spec.token_ids == r.plain.token_ids for r in results.rows)
     by_repeat = {r.repeat: r.spec.token_ids for r in results.rows}
     assert all(r.spec.token_ids == by_repeat[r.repeat] for r in results.rows)  # k 2 and k auto agree
     assert by_repeat[0] != by_repeat[1]  # repeat r uses seed + r
@@ -451,19 +453,6 @@ def test_seeded_sampling_rows_are_compared_and_share_a_seed(pairs, tokenizer):
     runner = BenchRunner(Generator.over(wrap(pair.target), tokenizer, [EOS]), PromptLookupDrafter, settings)
     again = runner.run_row(BenchPrompt("a", text="hello"), tokenizer("hello")["input_ids"], 2, 0)
     assert again.plain.token_ids == results.rows[0].plain.token_ids == again.spec.token_ids
-
-
-def test_sampling_rows_without_a_seed_are_not_compared(pairs, tokenizer):
-    settings = BenchSettings(sampling=SamplingConfig(temperature=1.0), max_new_tokens=MAX_NEW, ks=(2,), warmup=False)
-    results = run_bench(
-        [BenchPrompt("a", text="hello")], wrap(pairs[0].target), tokenizer, [EOS],
-        lambda: ModelDrafter(wrap(pairs[0].draft), len(tokenizer)), settings,
-    )
-    assert [r.identical for r in results.rows] == [None] and results.errors == []
-
-
-def test_seeded_mismatch_message():
-    assert mismatch_message([5, 6], [5, 7], 1, "seeded") == "seeded outputs differ at new token 1: plain token id 6, speculative 7"
 
 
 def test_interrupted_run_keeps_the_rows_so_far(pairs, tokenizer):

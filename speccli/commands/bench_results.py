@@ -102,9 +102,9 @@ class RunResult:
 class BenchRow:
     """One prompt at one k, one repeat: a plain run and a speculative run side by side.
 
-    `error` is set when a run failed (its result is then None) or, greedy or sampling
-    with a seed, when the two outputs differ; `mismatch_position` is then the index of
-    the first differing new token.
+    `error` is set when a run failed (its result is then None) or, in greedy mode, when
+    the two outputs differ; `mismatch_position` is then the index of the first differing
+    new token.
     """
 
     prompt: str
@@ -115,7 +115,7 @@ class BenchRow:
     plain_first: bool
     plain: RunResult | None = None
     spec: RunResult | None = None
-    identical: bool | None = None  # None: not checked (sampling without a seed) or a run failed
+    identical: bool | None = None  # None: not checked (sampling) or a run failed
     mismatch_position: int | None = None
     error: str | None = None
 
@@ -206,7 +206,7 @@ class BenchSummary:
     rows: int
     completed: int
     failures: int  # rows where a run raised
-    mismatches: int  # greedy or seeded rows whose outputs differ
+    mismatches: int  # greedy rows whose outputs differ
     speedup: Spread | None
     plain: GenerationStats
     spec: GenerationStats

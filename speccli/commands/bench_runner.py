@@ -8,9 +8,7 @@ How a measurement is made fair:
 - Each row is one (prompt, k, repeat) and holds its own plain run and speculative run,
   made one right after the other with the same prompt ids, SamplingConfig (the same seed)
   and SpecConfig (k, max_new_tokens, stop strings). The speed-up of a row is the ratio of
-  the two tokens/s figures measured side by side. Greedy rows, and sampling rows with a
-  seed (coupled sampling: the speculative run emits the target's own sample for that
-  seed), must print the same tokens twice; a difference is reported as an error.
+  the two tokens/s figures measured side by side.
 - Both runs start cold: the target's cache and the drafter's state are emptied first, so
   neither run reuses the other's prefill. What `k auto` learned (acceptance, costs) is kept
   from one run to the next, as in a chat session: the figures are what a user gets after
@@ -83,13 +81,12 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def mismatch_message(plain: Sequence[int], spec: Sequence[int], position: int, kind: str = "greedy") -> str:
-    """kind: "greedy", or "seeded" for sampling with a seed."""
+def mismatch_message(plain: Sequence[int], spec: Sequence[int], position: int) -> str:
     if position < len(plain) and position < len(spec):
         detail = f"plain token id {plain[position]}, speculative {spec[position]}"
     else:
         detail = f"plain emitted {len(plain)} tokens, speculative {len(spec)}"
-    return f"{kind} outputs differ at new token {position}: {detail}"
+    return f"greedy outputs differ at new token {position}: {detail}"
 
 
 class BenchRunner:
@@ -173,13 +170,12 @@ class BenchRunner:
                 row.error = f"{'plain' if method == 'plain' else 'speculative'} decoding failed: {type(error).__name__}: {error}"
                 return row
             setattr(row, method, result)
-        if sampling.greedy or sampling.seed is not None:
+        if sampling.greedy:
             position = first_difference(row.plain.token_ids, row.spec.token_ids)
             row.identical = position is None
             if position is not None:
                 row.mismatch_position = position
-                kind = "greedy" if sampling.greedy else "seeded"
-                row.error = mismatch_message(row.plain.token_ids, row.spec.token_ids, position, kind)
+                row.error = mismatch_message(row.plain.token_ids, row.spec.token_ids, position)
         return row
 
     def _run_one(self, plain: bool, prompt_ids: Sequence[int], sampling: SamplingConfig, spec: SpecConfig) -> RunResult:
