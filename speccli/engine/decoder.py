@@ -170,14 +170,14 @@ class SpeculativeDecoder:
             k = max(0, min(policy.next_k(), room))
 
             # The output position of the next token: the coupled rule's noise is chosen by it.
-            position = len(context) - len(prompt_ids)
+            next_position = len(context) - len(prompt_ids)
             draft_started = time.perf_counter()
             draft = Draft([])
             if k > 0 and self.drafter is not None:
-                draft_noise = None if noise is None else noise.from_position(position)
+                draft_noise = None if noise is None else noise.from_position(next_position)
                 draft = self.drafter.propose(context, k, sampling, generator, noise=draft_noise)
             verify_started = time.perf_counter()
-            verdict = self._verify(context[-1], draft, sampling, generator, noise, position)
+            verdict = self._verify(context[-1], draft, sampling, generator, noise, next_position)
             settled = len(context) + verdict.accepted
             self.target.rollback(settled)
             if self.drafter is not None:
@@ -196,7 +196,7 @@ class SpeculativeDecoder:
             new_tokens = draft.tokens[: verdict.accepted] + [verdict.next_token]
             context.extend(new_tokens)
             if noise is not None:
-                noise.forget_before(position + len(new_tokens))
+                noise.forget_before(next_position + len(new_tokens))
 
             finish: FinishReason | None = None
             for position, token in enumerate(new_tokens):
