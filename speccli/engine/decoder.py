@@ -16,6 +16,7 @@ import torch
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.backends import CausalLM, common_prefix_length
 from speccli.engine.calibration import CostProfile
+from speccli.engine.coupling import PositionNoise, verify_coupled
 from speccli.engine.drafters import Draft, Drafter
 from speccli.engine.events import (
     Event,
@@ -38,6 +39,14 @@ def provenance_of(position: int, drafted: int, accepted: int) -> Provenance:
     if drafted == 0:
         return Provenance.TARGET
     return Provenance.BONUS if accepted == drafted else Provenance.RESAMPLED
+
+
+def coupled(sampling: SamplingConfig) -> bool:
+    """Whether a generation samples by the coupled rule (speccli.engine.coupling): with a
+    seed, so that the output is the target's own sample for that seed, whatever the drafter,
+    k or timing. Without one, the rejection rule of Leviathan et al., whose acceptance is
+    the higher (see the README)."""
+    return not sampling.greedy and sampling.seed is not None
 
 
 def _make_generator(device: torch.device, seed: int | None) -> torch.Generator:
@@ -136,6 +145,7 @@ class SpeculativeDecoder:
         yield PrefillEvent(len(context), reused, time.perf_counter() - started)
 
         generator = _make_generator(self.target.device, sampling.seed)
+        noise = PositionNoise(sampling.seed, self.target.vocab_size) if coupled(sampling) else None
         emitted = 0
         step = 0
         while True:
@@ -144,12 +154,15 @@ class SpeculativeDecoder:
                 room = min(room, max_length - len(context))
             k = max(0, min(policy.next_k(), room))
 
+            # The output position of the next token: the coupled rule's noise is chosen by it.
+            next_position = len(context) - len(prompt_ids)
             draft_started = time.perf_counter()
             draft = Draft([])
             if k > 0 and self.drafter is not None:
-                draft = self.drafter.propose(context, k, sampling, generator)
+                draft_noise = None if noise is None else noise.from_position(next_position)
+                draft = self.drafter.propose(context, k, sampling, generator, noise=draft_noise)
             verify_started = time.perf_counter()
-            verdict = self._verify(context[-1], draft, sampling, generator)
+            verdict = self._verify(context[-1], draft, sampling, generator, noise, next_position)
             settled = len(context) + verdict.accepted
             self.target.rollback(settled)
             if self.drafter is not None:
@@ -167,6 +180,8 @@ class SpeculativeDecoder:
             policy.observe(step_event)
             new_tokens = draft.tokens[: verdict.accepted] + [verdict.next_token]
             context.extend(new_tokens)
+            if noise is not None:
+                noise.forget_before(next_position + len(new_tokens))
 
             finish: FinishReason | None = None
             for position, token in enumerate(new_tokens):
@@ -232,10 +247,14 @@ class SpeculativeDecoder:
         draft: Draft,
         sampling: SamplingConfig,
         generator: torch.Generator,
+        noise: PositionNoise | None = None,
+        position: int = 0,
     ) -> Verdict:
         logits = self.target.forward([pending, *draft.tokens])
         draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
         if sampling.greedy:
             return verify_greedy(logits, draft_ids)
+        if noise is not None:
+            return verify_coupled(warp(logits, sampling), draft_ids, noise.rows(position, len(draft) + 1))
         q = None if draft.probs is None else draft.probs.to(logits.device)
         return verify_sampled(warp(logits, sampling), draft_ids, q, generator)

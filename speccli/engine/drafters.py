@@ -14,6 +14,7 @@ import torch
 
 from speccli.config import SamplingConfig
 from speccli.engine.backends import CausalLM, common_prefix_length
+from speccli.engine.coupling import Noise, gumbel_argmax
 from speccli.engine.sampling import sample, warp
 
 
@@ -39,8 +40,14 @@ class Drafter(Protocol):
         k: int,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        noise: Noise | None = None,
     ) -> Draft:
-        """Up to k tokens continuing `context`."""
+        """Up to k tokens continuing `context`.
+
+        With `noise` (coupled sampling, speccli.engine.coupling), a sampling drafter draws
+        its i-th token as argmax(log q + noise(i)) instead of from `generator`: the noise
+        the target's token at that position is drawn with, so the two agree as often as
+        they can. A deterministic drafter ignores it."""
         ...
 
     def rollback(self, length: int) -> None:
@@ -122,6 +129,7 @@ class ModelDrafter:
         k: int,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        noise: Noise | None = None,
     ) -> Draft:
         if k <= 0:
             return Draft([])
@@ -142,7 +150,7 @@ class ModelDrafter:
                 confidence = float(torch.exp(row[token] - torch.logsumexp(row, dim=-1)))
             else:
                 q = warp(row, sampling)
-                token = int(sample(q, generator))
+                token = int(sample(q, generator) if noise is None else gumbel_argmax(q, noise(i)))
                 confidence = float(q[token])
                 probs.append(q)
             tokens.append(token)
@@ -197,6 +205,7 @@ class PromptLookupDrafter:
         k: int,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        noise: Noise | None = None,
     ) -> Draft:
         if k <= 0:
             return Draft([])
