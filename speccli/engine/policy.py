@@ -98,6 +98,15 @@ class StepCosts:
         return verify + k * (self.draft_per_token or 0.0)
 
 
+@dataclass(frozen=True)
+class AcceptancePrior:
+    """What k auto learned about a draft: acceptance by draft position (each given that the
+    positions before it survived), and the drafting steps that stands for."""
+
+    acceptance: tuple[float, ...]
+    steps: float
+
+
 class AdaptiveDraftLength:
     """Each step, the k in 0..max_k that maximises expected tokens per second.
 
@@ -256,6 +265,13 @@ class AdaptiveDraftLength:
             self._failed_probes += 1  # not even the first drafted token was right
         else:
             self._failed_probes = 0
+
+    def learned(self) -> AcceptancePrior | None:
+        """learned_prior() for the next session, None when this one never drafted."""
+        if not self._session_tried[0]:
+            return None
+        acceptance, steps = self.learned_prior()
+        return AcceptancePrior(tuple(acceptance), steps)
 
     def learned_prior(self, max_steps: float = 200.0) -> tuple[list[float], float]:
         """The acceptance by position to start the next session with, and the drafting
