@@ -1,7 +1,7 @@
 """Calibrate a loaded pipeline's pass costs once per model pair and device, and keep the
 result on disk (``<cache>/calibration/<key>.json``) so later sessions start from it.
 
-Beside it (``<key>.acceptance.json``) lies what `k auto` learned about the draft's
+Beside it (``<cache>/calibration/acceptance/<key>.json``) lies what `k auto` learned about the draft's
 acceptance by position, saved after each generation (`remember`) and read back with the
 calibration to seed the next session's policy. Either file, missing or damaged, only
 costs what it would have saved."""
@@ -80,7 +80,8 @@ def _write(path: Path, identity: dict[str, Any], costs: CostProfile) -> None:
 
 
 def prior_path(calibration: Path) -> Path:
-    return calibration.with_name(calibration.stem + ".acceptance.json")
+    """Where the acceptance prior for a calibration lies: ``acceptance/<key>.json`` beside it."""
+    return calibration.parent / "acceptance" / calibration.name
 
 
 def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
