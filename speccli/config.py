@@ -59,12 +59,14 @@ class SpecConfig:
 
     k is a fixed draft length, or "auto": each step picks the k (0 .. max_k) that
     maximises expected tokens per second from the acceptance and costs measured so far.
+    max_k is also how far `auto` calibrates (passes over 1 .. max_k + 1 tokens); where the
+    measured curve stops paying for longer drafts, `auto` stops short of it by itself.
     """
 
     k: int | str = 4
     max_new_tokens: int = 256
     stop_strings: tuple[str, ...] = field(default_factory=tuple)
-    max_k: int = 8
+    max_k: int = 16
 
     def __post_init__(self) -> None:
         if isinstance(self.k, str):

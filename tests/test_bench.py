@@ -585,3 +585,23 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
     assert str(info.value) == "the plot needs matplotlib, which is not installed"
     assert info.value.hint == "pip install matplotlib"
     assert not (tmp_path / "x.png").exists()
+
+
+def test_k_auto_keeps_one_policy_across_runs_with_the_same_drafter(pairs, tokenizer):
+    # What k auto learns on one prompt carries over to the next, as in a chat session.
+    pair = pairs[0]
+    drafter = ModelDrafter(wrap(pair.draft), len(tokenizer))
+    generator = Generator.over(wrap(pair.target), tokenizer, [EOS])
+    policies = []
+    original = generator.use_drafter
+
+    def use_drafter(d):
+        original(d)
+        policies.append(generator.decoder._policy_for(BenchSettings(ks=("auto",)).spec_config("auto")))
+
+    generator.use_drafter = use_drafter
+    settings = BenchSettings(max_new_tokens=8, ks=("auto",), repeat=2, warmup=False)
+    results = BenchRunner(generator, lambda: drafter, settings).run(PROMPTS)
+    assert len(results.rows) == 4 and all(r.error is None for r in results.rows)
+    assert len(policies) == 4 and all(p is policies[0] for p in policies)
+    assert generator.decoder.learned() is not None  # it drafted, and learned from it

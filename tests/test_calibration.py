@@ -156,3 +156,41 @@ def test_prompt_lookup_is_calibrated_without_a_draft_pass_and_plain_not_at_all(f
     costs = calibrate(ngram, max_k=2, cache_dir=tmp_path)
     assert sorted(costs.verify_seconds) == [1, 2, 3] and costs.draft_seconds is None
     assert calibrate(pipeline_for(folders, draft="none"), max_k=2, cache_dir=tmp_path) is None
+
+
+def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_next_session(folders, tmp_path, monkeypatch):
+    from speccli.engine.policy import AcceptancePrior
+    from speccli.generation.calibration import prior_path, read_prior, remember
+
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: FLAT)
+    pipeline = pipeline_for(folders)
+    generator = pipeline.generator()
+    auto = SpecConfig(k="auto", max_new_tokens=16)
+    assert remember(pipeline, auto.max_k) is None  # nothing learned yet: nothing written
+    generator.stream([5, 6, 7], SamplingConfig(), auto).run()
+    assert pipeline.decoder.prior is None  # the first session starts from the default
+    identity = calibration_identity(pipeline, auto.max_k + 1)
+    path = prior_path(calibration_path(identity))
+    saved = read_prior(path, identity)
+    assert saved is not None and saved == AcceptancePrior(
+        tuple(round(a, 4) for a in pipeline.decoder.learned().acceptance), pipeline.decoder.learned().steps
+    )
+    assert saved.steps > 0 and len(saved.acceptance) == 8  # FLAT measured passes over up to 9 tokens
+
+    # The next session reads it back with the calibration, and its policy starts from it.
+    again = pipeline_for(folders)
+    policy_generator = again.generator()
+    policy_generator.calibrate(auto.max_k)
+    assert again.decoder.prior == saved
+    policy = again.decoder._policy_for(auto)
+    assert policy.prior == list(saved.acceptance) and policy.prior_steps == saved.steps
+
+    # Damaged or foreign files are ignored: the default prior, and the costs still load.
+    for damage in ("{not json", json.dumps({"identity": identity, "acceptance": [2.0], "steps": 1}),
+                   json.dumps({"identity": {}, "acceptance": [0.5], "steps": 1}),
+                   json.dumps({"identity": identity, "acceptance": [], "steps": 1}),
+                   json.dumps({"identity": identity, "acceptance": "x", "steps": None})):
+        path.write_text(damage)
+        third = pipeline_for(folders)
+        assert calibrate(third, max_k=auto.max_k) == FLAT and third.decoder.prior is None

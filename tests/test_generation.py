@@ -42,11 +42,11 @@ def test_k_auto_calibrates_once_when_first_asked_for_and_seeds_the_policy(pairs,
     assert calls == []  # a fixed k and the plain baseline need no costs
     auto = SpecConfig(k="auto", max_new_tokens=4)
     first = generator.stream(Prompt.of("abc"), greedy, auto)
-    assert calls == [8] and generator.decoder.costs is FLAT
+    assert calls == [16] and generator.decoder.costs is FLAT
     assert generator.decoder._policy_for(auto).costs.verify == FLAT.verify_seconds  # starts from the calibration
     first.run()
     generator.stream(Prompt.of("abc"), greedy, auto).run()
-    assert calls == [8]
+    assert calls == [16]
 
 
 def test_plain_baseline_comes_from_the_same_generator_and_matches_greedy(pairs, tokenizer):

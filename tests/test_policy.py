@@ -63,7 +63,9 @@ def test_expensive_drafts_fall_back_to_plain_decoding_and_probe():
     policy = AdaptiveDraftLength(max_k=8, probe_every=16)
     chosen = train(policy, acceptance=0.0, verify=lambda n: 0.2 * n, draft_per_token=0.5, steps=80)
     assert chosen[-40:].count(0) >= 35
-    assert 1 in chosen[-40:]  # it still probes now and then
+    # No probe: even a draft that is always right would not pay on this curve (probes that
+    # pay where they can: test_probes_draft_what_the_curve_favours_and_back_off).
+    assert chosen[-40:] == [0] * 40
 
 
 def test_verify_cost_growth_limits_k():
@@ -93,3 +95,85 @@ def test_parse_draft_length_and_spec_config():
         SpecConfig(k="sometimes")
     with pytest.raises(ValueError):
         SpecConfig(k="auto", max_k=0)
+
+
+JUMP = {1: 0.404, 2: 1.003, 3: 1.12, 4: 1.17, 5: 1.18, 6: 0.99, 7: 1.02, 8: 0.97, 9: 1.02}  # issue 15
+
+
+def jump_policy(**kwargs) -> AdaptiveDraftLength:
+    policy = AdaptiveDraftLength(max_k=16, **kwargs)
+    policy.costs.seed({**JUMP, **{n: 1.02 for n in range(10, 18)}}, 0.079)
+    return policy
+
+
+def test_probes_draft_what_the_curve_favours_and_back_off():
+    # A pass over 2 tokens costs 2.5 over 1, then the curve is flat: a 1-token probe pays
+    # the jump for at most 2 tokens, so probes are long drafts, spaced by what they cost.
+    policy = jump_policy()
+    assert policy.next_k() == 0 and policy.probe_k() >= 8
+    chosen = []
+    for _ in range(1500):
+        k = policy.next_k()
+        chosen.append(k)
+        seconds = JUMP.get(k + 1, 1.02)
+        policy.observe(step(k, 0, 0.079 * k, seconds))  # every drafted token rejected
+    probes = [i for i, k in enumerate(chosen) if k]
+    assert all(chosen[i] >= 8 for i in probes)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] >= 16 and len(probes) >= 4
+    assert gaps[1] > 1.5 * gaps[0]  # spaced out further after each failed probe...
+    assert abs(gaps[-1] - gaps[-2]) <= 5  # ...up to a limit
+    # What probing cost stays within 5% of plain decoding's time.
+    seconds = sum(JUMP.get(k + 1, 1.02) + 0.079 * k for k in chosen)
+    assert seconds <= 1.05 * len(chosen) * JUMP[1]
+
+
+def test_a_probe_that_finds_good_drafts_resets_the_spacing_and_drafts_long():
+    policy = jump_policy()
+    for _ in range(200):
+        k = policy.next_k()
+        policy.observe(step(k, 0, 0.079 * k, JUMP.get(k + 1, 1.02)))
+    assert policy._failed_probes > 0
+    chosen = []
+    for _ in range(600):  # the text turns easy: every drafted token is right
+        k = policy.next_k()
+        chosen.append(k)
+        policy.observe(step(k, k, 0.079 * k, JUMP.get(k + 1, 1.02)))
+    assert policy._failed_probes == 0
+    assert min(chosen[-20:]) >= 8
+
+
+def test_long_drafts_where_passes_are_flat_up_to_where_more_never_pays():
+    flat = AdaptiveDraftLength(max_k=16)
+    flat.costs.seed({n: 0.17 for n in range(1, 18)}, 0.01)
+    assert train(flat, acceptance=1.0, verify=lambda n: 0.17, draft_per_token=0.01)[-10:] == [16] * 10
+    # Past 9 fed tokens a pass costs twice as much: even a draft that is always right is
+    # best at 8, so longer drafts are never tried.
+    knee = AdaptiveDraftLength(max_k=16)
+    verify = lambda n: 0.17 if n <= 9 else 0.34 + 0.01 * n
+    knee.costs.seed({n: verify(n) for n in range(1, 18)}, 0.01)
+    assert max(train(knee, acceptance=1.0, verify=verify, draft_per_token=0.01)) == 8
+
+
+def test_a_learned_prior_starts_the_next_session_where_the_last_one_ended():
+    first = jump_policy()
+    for _ in range(300):  # a session on text the draft gets right 9 times in 10
+        k = first.next_k()
+        accepted = k if k < 5 else 5  # the sixth drafted token is always wrong
+        first.observe(step(k, min(k, accepted), 0.079 * k, JUMP.get(k + 1, 1.02)))
+    prior, steps = first.learned_prior()
+    assert len(prior) == 16 and steps > 50
+    assert prior[0] > 0.9 and prior[5] < 0.5
+    fresh, seeded = jump_policy(), jump_policy(prior_acceptance=prior, prior_steps=steps)
+    assert fresh.next_k() == 0  # the default prior (0.7): drafting does not pay on this curve
+    assert seeded.next_k() > 0  # the learned one: it drafts from the first step
+    again, more = seeded.learned_prior()
+    assert again == pytest.approx(prior, abs=0.02) and more == min(steps, 200)  # nothing new learned
+
+
+def test_prior_acceptance_by_position_is_validated_and_extended():
+    policy = AdaptiveDraftLength(max_k=4, prior_acceptance=[0.9, 0.8])
+    assert policy.prior == [0.9, 0.8, 0.8, 0.8] and policy.prior_acceptance == 0.9
+    for bad in ([], [1.5], -0.1):
+        with pytest.raises(ValueError):
+            AdaptiveDraftLength(prior_acceptance=bad)

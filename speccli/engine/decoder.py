@@ -27,7 +27,7 @@ from speccli.engine.events import (
     StepEvent,
     TokenEvent,
 )
-from speccli.engine.policy import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
+from speccli.engine.policy import AcceptancePrior, AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
 from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
 from speccli.engine.text import Detokenizer, OutputText
 from speccli.engine.context import check_fits
@@ -101,6 +101,7 @@ class SpeculativeDecoder:
         eos_token_ids: Sequence[int],
         drafter: Drafter | None = None,
         costs: CostProfile | None = None,
+        prior: AcceptancePrior | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -108,10 +109,12 @@ class SpeculativeDecoder:
         self.drafter = drafter
         # Measured pass costs (a calibration) to start `k=auto` from, instead of exploring.
         self.costs = costs
+        # The draft's acceptance by position as an earlier session with this pair left it.
+        self.prior = prior
         # Kept across generations: what it learned about this machine's costs and the
         # draft's acceptance carries over from one prompt (or chat turn) to the next.
         self._adaptive: AdaptiveDraftLength | None = None
-        self._adaptive_costs: CostProfile | None = None
+        self._adaptive_from: tuple = ()
 
     def generate(
         self,
@@ -221,15 +224,30 @@ class SpeculativeDecoder:
             return FixedDraftLength(0)
         if isinstance(spec.k, int):
             return FixedDraftLength(spec.k)
-        stale = self._adaptive is None or self._adaptive.max_k != spec.max_k or self._adaptive_costs is not self.costs
-        if stale:
+        started_from = (spec.max_k, self.costs, self.prior)
+        same = len(self._adaptive_from) == 3 and self._adaptive_from[0] == spec.max_k and all(
+            a is b for a, b in zip(self._adaptive_from[1:], started_from[1:])
+        )
+        if self._adaptive is None or not same:
             # Built here, and again when the costs change (a calibration arrived): the
-            # policy always starts from the costs the decoder was given.
-            self._adaptive = AdaptiveDraftLength(max_k=spec.max_k)
-            self._adaptive_costs = self.costs
+            # policy always starts from the costs and the prior the decoder was given.
+            # Drafts are at most as long as the calibration measured passes for.
+            max_k = spec.max_k
+            if self.costs is not None:
+                max_k = max(1, min(max_k, max(self.costs.verify_seconds) - 1))
+            prior = {}
+            if self.prior is not None and self.prior.acceptance:
+                prior = {"prior_acceptance": self.prior.acceptance, "prior_steps": self.prior.steps}
+            self._adaptive = AdaptiveDraftLength(max_k=max_k, **prior)
+            self._adaptive_from = started_from
             if self.costs is not None:
                 self._adaptive.costs.seed(self.costs.verify_seconds, self.costs.draft_seconds)
         return self._adaptive
+
+    def learned(self) -> AcceptancePrior | None:
+        """What `k=auto` has learned about the draft's acceptance so far (with the prior it
+        started from), for the next session; None before it drafted."""
+        return self._adaptive.learned() if self._adaptive is not None else None
 
     def _prefill(self, context: list[int]) -> int:
         """Bring all but the last prompt token into the target's cache, reusing what a

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from speccli.engine.events import StepEvent
 
@@ -98,51 +98,143 @@ class StepCosts:
         return verify + k * (self.draft_per_token or 0.0)
 
 
+@dataclass(frozen=True)
+class AcceptancePrior:
+    """What k auto learned about a draft: acceptance by draft position (each given that the
+    positions before it survived), and the drafting steps that stands for."""
+
+    acceptance: tuple[float, ...]
+    steps: float
+
+
 class AdaptiveDraftLength:
     """Each step, the k in 0..max_k that maximises expected tokens per second.
 
     Acceptance is tracked per draft position (the chance that position i survives given
-    that every earlier one did), with a prior and exponential forgetting so that it
-    follows the text. Costs are learned from the steps themselves, so the choice reflects
-    this machine: where verifying k+1 tokens costs what one does, long drafts pay; where
-    it grows fast or the draft is slow, k shrinks, down to 0 (plain decoding). While k is
-    0 nothing is learned about acceptance, so every `probe_every` steps it drafts one.
+    that every earlier one did), with exponential forgetting so that it follows the text.
+    Each position's counts are shrunk towards the rate over all positions, itself shrunk
+    towards the prior: one rejection at position 3 says little about position 3 in
+    particular, and a position no draft has reached yet takes the overall rate, so that
+    once short drafts prove good, long ones are tried.
+
+    Costs are the whole measured curve (a calibration, see speccli.engine.calibration:
+    seconds of a pass by tokens fed, and of a draft token), refined from the steps
+    themselves. Where verifying k+1 tokens costs what one does, long drafts pay; where it
+    grows fast or the draft is slow, k shrinks, down to 0 (plain decoding). Drafts longer
+    than the k that a draft that is always right would make best are never considered:
+    past it, more never pays.
+
+    While k is 0 nothing is learned about acceptance, so now and then it probes: it drafts
+    the k that the cost curve favours for a good draft (acceptance `probe_hope`, or the
+    prior or the estimate where higher). On a curve with a jump after one token that is a
+    long draft: a one-token probe would pay the jump for at most two tokens. Probes are
+    spaced so that what one is expected to cost over plain decoding stays under
+    `probe_budget` of plain decoding's time (and at least `probe_every` plain steps
+    apart); each probe in a row whose first drafted token is rejected doubles the spacing
+    (up to `max_backoff` doublings), and any other drafting step resets it.
+
+    The prior is the acceptance by position to start from: a number, or one per position
+    (the last standing for the positions after it), such as what an earlier session with
+    the same model pair learned (`learned_prior`), with `prior_steps` the drafting steps
+    it stands for.
     """
 
     def __init__(
         self,
-        max_k: int = 8,
+        max_k: int = 16,
         first_k: int = 4,
-        prior_acceptance: float = 0.7,
+        prior_acceptance: float | Sequence[float] = 0.7,
         prior_weight: float = 2.0,
         forgetting: float = 0.97,
         probe_every: int = 16,
+        probe_budget: float = 0.05,
+        max_backoff: int = 2,
+        prior_steps: float = 0.0,
+        probe_hope: float = 0.9,
     ) -> None:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         self.max_k = max_k
         self.first_k = min(first_k, max_k)
-        self.prior_acceptance = prior_acceptance
+        self.prior = _per_position(prior_acceptance, max_k)
         self.prior_weight = prior_weight
         self.forgetting = forgetting
         self.probe_every = probe_every
+        self.probe_budget = probe_budget
+        self.max_backoff = max_backoff
+        self.prior_steps = prior_steps
+        self.probe_hope = probe_hope
         self.costs = StepCosts()
         self._kept = [0.0] * max_k
         self._tried = [0.0] * max_k
+        # The whole session's counts, unforgotten: what it leaves for the next one.
+        self._session_kept = [0] * max_k
+        self._session_tried = [0] * max_k
         self._steps_without_drafting = 0
+        self._failed_probes = 0
+        self._probing = False
+
+    @property
+    def prior_acceptance(self) -> float:
+        return self.prior[0]
 
     def acceptance(self) -> list[float]:
-        prior = self.prior_acceptance * self.prior_weight
-        return [(kept + prior) / (tried + self.prior_weight) for kept, tried in zip(self._kept, self._tried)]
+        # Each position's own counts, shrunk towards the rate over all positions (itself
+        # shrunk towards the prior): one rejection at position 3 says little about
+        # position 3 in particular, and a position no draft reached takes the overall rate.
+        w = self.prior_weight
+        pooled = (sum(self._kept) + self.prior[0] * w) / (sum(self._tried) + w)
+        return [(kept + pooled * w) / (tried + w) for kept, tried in zip(self._kept, self._tried)]
 
     def next_k(self) -> int:
+        self._probing = False
         if self.costs.step_seconds(0) is None:
-            return self.first_k
-        if self._steps_without_drafting >= self.probe_every:
-            return 1
+            return self.first_k  # no costs at all (no calibration): a guess, then explore
+        if 1 not in self.costs.verify:
+            return 0  # measure a plain step too: untried sizes between are then guessed at its cost
         acceptance = self.acceptance()
+        best = self._best_k(acceptance)
+        if best > 0 or self._steps_without_drafting < self.probe_interval(acceptance):
+            return best
+        probe = self._best_k(self._hope(acceptance))
+        self._probing = probe > 0
+        return probe
+
+    def probe_k(self) -> int:
+        """The draft length a probe would have now: the best under the hopeful acceptance."""
+        return self._best_k(self._hope(self.acceptance()))
+
+    def probe_interval(self, acceptance: list[float] | None = None) -> float:
+        """Plain steps between probes: as many as keep the expected extra cost of a probe
+        (its seconds less those of plain steps giving the tokens it is expected to give)
+        under `probe_budget` of the plain steps' time, at least `probe_every`, doubled for
+        each probe in a row after which drafting still did not pay."""
+        acceptance = self.acceptance() if acceptance is None else acceptance
+        plain = self.costs.step_seconds(0)
+        probe = self._best_k(self._hope(acceptance))
+        interval = float(self.probe_every)
+        if plain and probe:
+            extra = self.costs.step_seconds(probe) - expected_tokens(acceptance, probe) * plain
+            interval = max(interval, extra / (self.probe_budget * plain))
+        return interval * 2 ** min(self._failed_probes, self.max_backoff)
+
+    def _hope(self, acceptance: list[float]) -> list[float]:
+        return [max(a, p, self.probe_hope) for a, p in zip(acceptance, self.prior)]
+
+    def _limit(self) -> int:
+        """The longest draft worth considering: beyond the k that even a draft that is
+        always right makes best, more never pays (the cost curve grows faster than the
+        tokens)."""
         best_k, best_rate = 0, 0.0
         for k in range(self.max_k + 1):
+            seconds = self.costs.step_seconds(k)
+            if seconds and seconds > 0 and (k + 1) / seconds > best_rate:
+                best_k, best_rate = k, (k + 1) / seconds
+        return best_k
+
+    def _best_k(self, acceptance: list[float]) -> int:
+        best_k, best_rate = 0, 0.0
+        for k in range(self._limit() + 1):
             seconds = self.costs.step_seconds(k)
             if not seconds or seconds <= 0:
                 continue
@@ -153,12 +245,50 @@ class AdaptiveDraftLength:
 
     def observe(self, step: StepEvent) -> None:
         self.costs.observe(step)
+        probing, self._probing = self._probing, False
         if step.drafted == 0:
             self._steps_without_drafting += 1
             return
         self._steps_without_drafting = 0
-        for position in range(min(step.drafted, self.max_k)):
-            if position > step.accepted:
-                break  # never reached: an earlier token was rejected
-            self._kept[position] = self._kept[position] * self.forgetting + (position < step.accepted)
-            self._tried[position] = self._tried[position] * self.forgetting + 1
+        # Every position forgets, reached or not: evidence about a position that shorter
+        # drafts no longer reach fades, and its estimate leans on the position before again.
+        self._kept = [kept * self.forgetting for kept in self._kept]
+        self._tried = [tried * self.forgetting for tried in self._tried]
+        for position in range(min(step.drafted, step.accepted + 1, self.max_k)):
+            # Reached: every earlier token was accepted.
+            kept = position < step.accepted
+            self._kept[position] += kept
+            self._tried[position] += 1
+            self._session_kept[position] += kept
+            self._session_tried[position] += 1
+        if probing and step.accepted == 0:
+            self._failed_probes += 1  # not even the first drafted token was right
+        else:
+            self._failed_probes = 0
+
+    def learned(self) -> AcceptancePrior | None:
+        """learned_prior() for the next session, None when this one never drafted."""
+        if not self._session_tried[0]:
+            return None
+        acceptance, steps = self.learned_prior()
+        return AcceptancePrior(tuple(acceptance), steps)
+
+    def learned_prior(self, max_steps: float = 200.0) -> tuple[list[float], float]:
+        """The acceptance by position to start the next session with, and the drafting
+        steps it stands for: this session's counts (unforgotten), pooled with the prior it
+        started from, worth at most `max_steps` steps so that what was learned now counts."""
+        old = min(self.prior_steps, max_steps)
+        w = self.prior_weight
+        kept, tried = self._session_kept, self._session_tried
+        pooled = (sum(kept) + self.prior[0] * (old + w)) / (sum(tried) + old + w)
+        learned = [
+            (kept[i] + self.prior[i] * old + pooled * w) / (tried[i] + old + w) for i in range(self.max_k)
+        ]
+        return learned, old + tried[0]
+
+
+def _per_position(prior: float | Sequence[float], length: int) -> list[float]:
+    values = [float(prior)] if isinstance(prior, (int, float)) else [float(p) for p in prior]
+    if not values or any(not 0.0 <= p <= 1.0 for p in values):
+        raise ValueError(f"prior acceptance must be in [0, 1], got {prior!r}")
+    return (values + [values[-1]] * length)[:length]

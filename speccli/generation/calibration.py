@@ -1,5 +1,10 @@
 """Calibrate a loaded pipeline's pass costs once per model pair and device, and keep the
-result on disk (``<cache>/calibration/<key>.json``) so later sessions start from it."""
+result on disk (``<cache>/calibration/<key>.json``) so later sessions start from it.
+
+Beside it (``<cache>/calibration/acceptance/<key>.json``) lies what `k auto` learned about the draft's
+acceptance by position, saved after each generation (`remember`) and read back with the
+calibration to seed the next session's policy. Either file, missing or damaged, only
+costs what it would have saved."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch
 
 from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import ModelDrafter
+from speccli.engine.policy import AcceptancePrior
 from speccli.models import offline
 from speccli.models.loading import LoadedModel, cpu_name, dtype_name
 from speccli.generation.pipeline import Pipeline
@@ -70,13 +76,54 @@ def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:
 
 def _write(path: Path, identity: dict[str, Any], costs: CostProfile) -> None:
     payload = {"identity": identity, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "costs": costs.as_dict()}
+    _write_json(path, payload)
+
+
+def prior_path(calibration: Path) -> Path:
+    """Where the acceptance prior for a calibration lies: ``acceptance/<key>.json`` beside it."""
+    return calibration.parent / "acceptance" / calibration.name
+
+
+def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
+    """The acceptance prior saved at `path` for this identity; None if missing or damaged."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("identity") != identity:
+            return None
+        acceptance = tuple(float(a) for a in data["acceptance"])
+        steps = float(data["steps"])
+        if not acceptance or not all(0.0 <= a <= 1.0 for a in acceptance) or not 0.0 <= steps < float("inf"):
+            return None
+        return AcceptancePrior(acceptance, steps)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
             json.dump(payload, handle, indent=2)
         os.replace(handle.name, path)
     except OSError:
-        pass  # a read-only cache only costs a calibration next time
+        pass  # a read-only cache only costs a calibration (or a prior) next time
+
+
+def remember(pipeline: Pipeline, max_k: int, cache_dir: Path | None = None) -> AcceptancePrior | None:
+    """Save what the pipeline's decoder learned about the draft's acceptance (with the
+    prior it started from), beside the calibration for `max_k`."""
+    learned = pipeline.decoder.learned()
+    if learned is None:
+        return None
+    identity = calibration_identity(pipeline, max_k + 1)
+    payload = {
+        "identity": identity,
+        "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "acceptance": [round(a, 4) for a in learned.acceptance],
+        "steps": learned.steps,
+    }
+    _write_json(prior_path(calibration_path(identity, cache_dir)), payload)
+    return learned
 
 
 def calibrate(
@@ -87,7 +134,8 @@ def calibrate(
     cache_dir: Path | None = None,
 ) -> CostProfile | None:
     """Give the pipeline's decoder measured costs for `k=auto`: from the cache, else by
-    measuring now (a few seconds) and caching. None when there is no drafter."""
+    measuring now (a few seconds) and caching; and the acceptance prior saved beside them,
+    if any. None when there is no drafter."""
     decoder = pipeline.decoder
     if decoder.drafter is None:
         return None
@@ -104,6 +152,7 @@ def calibrate(
         costs = measure_costs(decoder.target, draft_model, max_fed)
         _write(path, identity, costs)
         say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(costs)}")
+    decoder.prior = read_prior(prior_path(path), identity)
     decoder.costs = costs
     return costs
 

@@ -43,11 +43,16 @@ class Pipeline:
 
     def generator(self, progress: Callable[[str], None] | None = None, recalibrate: bool = False) -> Generator:
         """The Generator over this pipeline's decoder. `k auto` calibrates through the
-        on-disk cache (speccli.generation.calibration) the first time it is asked for."""
-        from speccli.generation.calibration import calibrate
+        on-disk cache (speccli.generation.calibration) the first time it is asked for, and
+        what it learns about the draft's acceptance is kept there after each generation."""
+        from speccli.generation.calibration import calibrate, remember
         from speccli.generation.stream import Generator
 
-        return Generator(self.decoder, lambda max_k: calibrate(self, max_k, progress, refresh=recalibrate))
+        return Generator(
+            self.decoder,
+            lambda max_k: calibrate(self, max_k, progress, refresh=recalibrate),
+            lambda max_k: remember(self, max_k),
+        )
 
     def model_info(self) -> dict[str, str]:
         """What ran, for saved sessions and benchmark reports."""

@@ -29,6 +29,8 @@ INTERRUPTED = "interrupted"
 
 # Measures pass costs for `k auto` (or reads them from a cache) for drafts up to max_k.
 Calibrate = Callable[[int], "CostProfile | None"]
+# Keeps what `k auto` learned about the draft (for drafts up to max_k) for the next session.
+Remember = Callable[[int], object]
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,10 @@ class Generation:
     accumulate here as they stream, so an iteration cut short (Ctrl-C, close()) still
     leaves what was emitted, with `finish_reason` "interrupted"."""
 
-    def __init__(self, prompt_ids: list[int], events: EventStream) -> None:
+    def __init__(self, prompt_ids: list[int], events: EventStream, on_end: Callable[[], object] | None = None) -> None:
         self.prompt_ids = prompt_ids
         self._events = events
+        self._on_end = on_end
         self.stats = GenerationStats()
         self.tokens: list[TokenEvent] = []
 
@@ -68,6 +71,12 @@ class Generation:
             if isinstance(event, TokenEvent):
                 self.tokens.append(event)
             yield Response(event, self.stats)
+        self._ended()
+
+    def _ended(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
 
     def run(self) -> Generation:
         """Generate to the end without streaming."""
@@ -84,6 +93,7 @@ class Generation:
         for event in tail:
             self.stats.observe(event)
             self.tokens.append(event)
+        self._ended()
         return tail
 
     @property
@@ -108,12 +118,17 @@ class Generator:
 
     Holds the speculative decoder (reused from one generation to the next, so what `k auto`
     learned about this machine and this draft carries over across prompts and chat turns)
-    and the plain decoders over the same target and KV cache.
+    and the plain decoders over the same target and KV cache. `calibrate` gives `k auto`
+    its measured costs (and the acceptance an earlier session learned); `remember`, called
+    after each generation with `k auto`, keeps what it learned for the next session.
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, calibrate: Calibrate | None = None) -> None:
+    def __init__(
+        self, decoder: SpeculativeDecoder, calibrate: Calibrate | None = None, remember: Remember | None = None
+    ) -> None:
         self.decoder = decoder
         self._calibrate = calibrate
+        self._remember = remember
         self._plain: dict[bool, SpeculativeDecoder] = {}
 
     @classmethod
@@ -187,7 +202,11 @@ class Generator:
             self.target.rollback(0)
             if decoder.drafter is not None:
                 decoder.drafter.rollback(0)
-        return Generation(ids, decoder.generate(ids, sampling, spec))
+        on_end = None
+        if decoder.drafter is not None and spec.k == AUTO_K and self._remember is not None:
+            remember, max_k = self._remember, spec.max_k
+            on_end = lambda: remember(max_k)  # noqa: E731
+        return Generation(ids, decoder.generate(ids, sampling, spec), on_end)
 
     def _plain_decoder(self, stop_at_eos: bool) -> SpeculativeDecoder:
         if stop_at_eos not in self._plain:
