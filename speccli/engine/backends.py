@@ -86,6 +86,19 @@ class TransformersLM:
     def max_length(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
+    def rollback(self, length: int) -> None:
+        if length < 0:
+            raise ValueError(f"cannot roll back to a negative length ({length})")
+        extra = len(self._tokens) - length
+        if extra <= 0:
+            return
+        self._forget(length, extra)
+        del self._tokens[length:]
+
+    def _forget(self, length: int, extra: int) -> None:
+        """Drop the cache's last `extra` entries, keeping `length`."""
+        raise NotImplementedError
+
 
 class HFCausalLM(TransformersLM):
     """A transformers causal LM plus its DynamicCache.
@@ -126,14 +139,8 @@ class HFCausalLM(TransformersLM):
         self.forward_seconds += time.perf_counter() - started
         return logits
 
-    def rollback(self, length: int) -> None:
-        if length < 0:
-            raise ValueError(f"cannot roll back to a negative length ({length})")
-        extra = len(self._tokens) - length
-        if extra <= 0:
-            return
+    def _forget(self, length: int, extra: int) -> None:
         if length == 0:
             self._cache = self._new_cache()
         else:
             self._cache.crop(-extra)
-        del self._tokens[length:]

@@ -145,15 +145,9 @@ class StaticCausalLM(TransformersLM):
         self.forward_seconds += time.perf_counter() - started
         return logits
 
-    def rollback(self, length: int) -> None:
-        if length < 0:
-            raise ValueError(f"cannot roll back to a negative length ({length})")
-        extra = len(self._tokens) - length
-        if extra <= 0:
-            return
+    def _forget(self, length: int, extra: int) -> None:
         with torch.inference_mode():  # the cache's tensors are inference tensors
             self._move_back(extra)
-        del self._tokens[length:]
 
     # ------------------------------------------------------------------ cache
 
