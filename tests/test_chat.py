@@ -613,7 +613,9 @@ def test_set_k_auto_after_a_fixed_k_starts_calibrated(folders, tmp_path):
 
 def test_chat_in_a_real_terminal(endless_folders, tmp_path):
     pexpect = pytest.importorskip("pexpect")
-    argv = chat_argv(endless_folders, 40)
+    # A fixed k: with k auto the first answer's draft lengths follow timings, and on a loaded
+    # machine the calibration can make plain decoding look best (no coloured token to see).
+    argv = chat_argv(endless_folders, 40) + ["--k", "4"]
     child = pexpect.spawn(argv[0], argv[1:], cwd=str(REPO), env=child_env(tmp_path), encoding="utf-8", timeout=90, dimensions=(50, 200))
     try:
         child.expect_exact("/help for commands")
