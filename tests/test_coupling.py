@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare, gumbel_r, kstest
 
 import speccli.engine.coupling as coupling
-from conftest import char_tokenizer, perturbed_copy, tiny_llama, wrap
+from conftest import wrap
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.coupling import (
     PositionNoise,
@@ -26,11 +26,11 @@ from speccli.engine.events import Provenance, StepEvent, TokenEvent
 from speccli.engine.sampling import Verdict, warp
 from speccli.generation.stream import Generator
 from test_decoder_sampling import (
-    ALPHABET,
     CONTINUATION,
     chi_square_pvalue,
     chi_square_pvalue_lenient,
     exact_continuation_distribution,
+    small_pair,  # noqa: F401 - a fixture: the same enumerable pair as the rejection rule's test
 )
 
 # --------------------------------------------------------------------------- the noise
@@ -176,15 +176,6 @@ DRAWS = 2000
 WRONG_DRAWS = 400
 
 
-@pytest.fixture(scope="module")
-def enumerable_pair():
-    tokenizer = char_tokenizer(ALPHABET)
-    vocab = len(tokenizer)
-    target = tiny_llama(vocab, seed=5, hidden=16, layers=1, logit_scale=6.0)
-    draft = perturbed_copy(target, noise=1.0, seed=6)
-    return tokenizer, target, draft
-
-
 def continuation_counts(decoder, prompt, sampling: SamplingConfig, draws: int, first_seed: int, vocab: int):
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
     provenances = collections.Counter()
@@ -202,8 +193,8 @@ def continuation_counts(decoder, prompt, sampling: SamplingConfig, draws: int, f
 
 
 @pytest.mark.slow
-def test_coupled_samples_over_seeds_follow_the_exact_target_distribution(enumerable_pair, monkeypatch):
-    tokenizer, target, draft = enumerable_pair
+def test_coupled_samples_over_seeds_follow_the_exact_target_distribution(small_pair, monkeypatch):
+    tokenizer, target, draft = small_pair
     vocab = len(tokenizer)
     prompt = tokenizer("abc", add_special_tokens=False)["input_ids"]
     decoder = SpeculativeDecoder(wrap(target), tokenizer, [], ModelDrafter(wrap(draft), vocab))

@@ -196,14 +196,15 @@ class Generator:
             raise ValueError("only plain decoding can run past end-of-sequence tokens")
         ids = self.encode(prompt)
         decoder = self._plain_decoder(stop_at_eos) if plain else self.decoder
-        if decoder.drafter is not None and spec.k == AUTO_K:
+        adaptive = decoder.drafter is not None and spec.k == AUTO_K
+        if adaptive:
             self.calibrate(spec.max_k)
         if cold:
             self.target.rollback(0)
             if decoder.drafter is not None:
                 decoder.drafter.rollback(0)
         on_end = None
-        if decoder.drafter is not None and spec.k == AUTO_K and self._remember is not None:
+        if adaptive and self._remember is not None:
             remember, max_k = self._remember, spec.max_k
             on_end = lambda: remember(max_k)  # noqa: E731
         return Generation(ids, decoder.generate(ids, sampling, spec), on_end)
