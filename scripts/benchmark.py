@@ -17,6 +17,9 @@ prompt, so slow drift of the machine hits every method alike):
   specgen-ngram     specgen's SpeculativeDecoder with PromptLookupDrafter
   specgen-plain     specgen's decode loop with no drafter (k = 0): what specgen's loading alone gives,
                     so that specgen-draft / specgen-plain is the gain of speculation alone
+  specgen-tree      specgen-draft drafting token trees (--tree): the draft branches where unsure
+  specgen-ngram-tree  specgen-ngram drafting trees of several earlier continuations
+  specgen-lookahead lookahead decoding (--draft lookahead): no draft model, a Jacobi window in every pass
 
 transformers' methods run on the models with PyTorch's stock kernels, as transformers
 loads them; specgen's run as specgen loads them: in float32 on the CPU, its linear layers
@@ -48,6 +51,7 @@ from speccli.commands.bench_runner import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
+from speccli.engine.lookahead import LookaheadDrafter
 from speccli.generation.calibration import describe
 from speccli.generation.pipeline import backend_label, causal_lm, model_drafter
 from speccli.generation.stream import Generator
@@ -57,7 +61,8 @@ from speccli.models.onednn import set_onednn_linear
 from speccli.stats import speedup
 
 METHODS = ("hf-plain", "hf-assisted", "hf-assisted-int8", "hf-prompt-lookup", "specgen-draft", "specgen-ngram",
-           "specgen-plain")
+           "specgen-plain", "specgen-tree", "specgen-ngram-tree", "specgen-lookahead")
+TREE_METHODS = ("specgen-tree", "specgen-ngram-tree")
 WARMUP_TOKENS = 8
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "default.jsonl"
 
@@ -95,6 +100,8 @@ class Bench:
         if k == "auto":
             costs = measure_costs(target_lm, self.draft_drafter.model, SpecConfig().max_k + 1)
             log(f"calibration: {describe(costs)}")
+            log("pass cost by tokens fed: " + ", ".join(
+                f"{fed}: {1000 * seconds:.0f} ms" for fed, seconds in sorted(costs.verify_seconds.items())))
         draft_generator = Generator.over(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs)
         self.generators = {
             "specgen-draft": draft_generator,
@@ -102,7 +109,14 @@ class Bench:
             "specgen-ngram": Generator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
                                             CostProfile(costs.verify_seconds, None) if costs else None),
             "specgen-plain": draft_generator,  # streamed with plain=True: the target alone
+            # Their own generators, so that what k auto learns of trees stays apart from chains.
+            "specgen-tree": Generator.over(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs),
+            "specgen-ngram-tree": Generator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
+                                                 CostProfile(costs.verify_seconds, None) if costs else None),
+            "specgen-lookahead": Generator.over(target_lm, target.tokenizer, self.eos, LookaheadDrafter(),
+                                                CostProfile(costs.verify_seconds, None) if costs else None),
         }
+        self.costs = costs
         self.specgen_linear = target.linear
 
     def _hf(self, method: str, ids: list[int], max_new: int) -> tuple[list[int], dict]:
@@ -131,7 +145,7 @@ class Bench:
         generator = self.generators[method]
         plain = method == "specgen-plain"
         drafter = None if plain else generator.drafter
-        spec = SpecConfig(k=self.k, max_new_tokens=max_new)
+        spec = SpecConfig(k=self.k, max_new_tokens=max_new, tree=method in TREE_METHODS)
         models = [self.target_lm] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
         forward_before = sum(m.forward_seconds for m in models)
         started = time.perf_counter()
@@ -146,6 +160,7 @@ class Bench:
             "accepted": stats.accepted,
             "acceptance": stats.acceptance_rate,
             "tokens_per_step": stats.tokens_per_step,
+            "pass_size": stats.mean_pass_size,
             "forward_seconds": forward,
             "overhead": (wall - forward) / wall if wall > 0 else None,
         }
@@ -246,7 +261,12 @@ def run_dtype(dtype: str, args, prompts) -> dict:
 
     medians = {m: statistics.median(r["methods"][m]["tokens_per_second"] for r in rows) for m in methods}
     pairs = [(a, b) for a in ("specgen-draft", "specgen-ngram") for b in ("hf-plain", "hf-assisted", "hf-prompt-lookup")]
+    pairs += [("specgen-ngram-tree", "hf-prompt-lookup")]
     pairs += [("specgen-draft", "hf-assisted-int8"), ("specgen-draft", "specgen-plain"), ("specgen-plain", "hf-plain")]
+    pairs += [("specgen-lookahead", "specgen-plain"), ("specgen-lookahead", "specgen-ngram"),
+              ("specgen-lookahead", "hf-prompt-lookup"),
+              ("specgen-tree", "specgen-draft"), ("specgen-tree", "specgen-plain"),
+              ("specgen-ngram-tree", "specgen-ngram"), ("specgen-ngram-tree", "specgen-plain")]
     pairs += [(a, "hf-plain") for a in ("hf-assisted", "hf-assisted-int8", "hf-prompt-lookup")]
     ratios = {f"{a} / {b}": speedup(medians[a], medians[b]) for a, b in pairs if a in medians and b in medians}
     # Per-prompt ratios too: the median of ratios is less sensitive to which prompt is slow.
@@ -263,8 +283,10 @@ def run_dtype(dtype: str, args, prompts) -> dict:
             acc = [r["methods"][m]["acceptance"] for r in rows if r["methods"][m]["acceptance"] is not None]
             tps = [r["methods"][m]["tokens_per_step"] for r in rows if r["methods"][m]["tokens_per_step"]]
             overhead = [r["methods"][m]["overhead"] for r in rows if r["methods"][m]["overhead"] is not None]
+            passes = [r["methods"][m]["pass_size"] for r in rows if r["methods"][m].get("pass_size")]
             extra = f"  (median acceptance {fmt(statistics.median(acc) if acc else None, '.0%')},"\
                     f" median tokens/step {fmt(statistics.median(tps) if tps else None)},"\
+                    f" median tokens/pass {fmt(statistics.median(passes) if passes else None, '.1f')},"\
                     f" time outside forward passes: median {fmt(statistics.median(overhead) if overhead else None, '.1%')},"\
                     f" max {fmt(max(overhead) if overhead else None, '.1%')})"
         print(f"{m:<18} {medians[m]:8.2f}{extra}")
@@ -279,8 +301,10 @@ def run_dtype(dtype: str, args, prompts) -> dict:
                 "target_graphs_error": getattr(bench.target_lm, "graphs_error", None),
                 "draft_graphs_error": getattr(bench.draft_drafter.model, "graphs_error", None)}
     print(f"specgen backends: {backends}")
+    costs = bench.costs
     del bench, target, draft, spec_draft
     return {"dtype": dtype, "load_seconds": load_seconds, "specgen_target": target_description,
+            "calibration": costs.as_dict() if costs else None,
             "specgen_backends": backends, "rows": rows, "median_tokens_per_second": medians,
             "ratio_of_medians": ratios, "median_of_per_prompt_ratios": per_prompt_ratio,
             "lowest_per_prompt_ratios": worst_prompt_ratio,

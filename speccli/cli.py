@@ -117,7 +117,7 @@ def _run_guarded(body: Callable[[], int]) -> None:
 
 
 TARGET_HELP = "Target model: an alias (see `specgen models`), a Hugging Face hub id, a local folder, or a .gguf file."
-DRAFT_HELP = "Draft model (same forms as --target), `ngram` for prompt lookup (no draft model), or `none` for plain target decoding."
+DRAFT_HELP = "Draft model (same forms as --target), `ngram` for prompt lookup or `lookahead` for lookahead decoding (no draft model: guesses from the text and from the target itself), or `none` for plain target decoding."
 
 
 
@@ -136,6 +136,7 @@ CpuLinearOpt = Annotated[str, typer.Option("--cpu-linear", help="auto: float32 l
 CudaGraphsOpt = Annotated[str, typer.Option("--cuda-graphs", help="auto: on CUDA, bfloat16/float16 and 4/8-bit models decode over a static KV cache replayed as CUDA graphs (2-5x faster passes); off: transformers' DynamicCache, as on the CPU.")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
+TreeOpt = Annotated[bool, typer.Option("--tree", help="Draft a tree of candidates k deep instead of one chain: the draft model branches where it is unsure (ngram: several earlier continuations) and one target pass checks every branch; its size follows the measured pass costs. Pays where a pass over many tokens costs little more than one (bfloat16 on CPUs with bf16 units, GPUs).")]
 RecalibrateOpt = Annotated[bool, typer.Option("--recalibrate", help="Time target and draft passes again for --k auto instead of using the cached calibration for this model pair and device.")]
 
 @app.command()
@@ -144,6 +145,7 @@ def generate(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     k: str = typer.Option("auto", "--k", "-k", help="Tokens drafted per step (>= 1), or auto: each step picks the k that maximises expected tokens/s from the acceptance and costs measured so far."),
+    tree: TreeOpt = False,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy: exactly the target's own greedy output."),
     top_k: TopKOpt = 0,
@@ -187,7 +189,7 @@ def generate(
             raise UsageError(f"--{error}", "use --draft none for plain target decoding") from None
         try:
             sampling = SamplingConfig(temperature, top_k, top_p, seed)
-            spec = SpecConfig(k=draft_length, max_new_tokens=max_new_tokens, stop_strings=tuple(stop))
+            spec = SpecConfig(k=draft_length, max_new_tokens=max_new_tokens, stop_strings=tuple(stop), tree=tree)
         except ValueError as error:
             raise UsageError(str(error)) from None
         text = read_prompt(prompt)
@@ -213,6 +215,7 @@ def chat(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     k: str = typer.Option("auto", "--k", "-k", help="Tokens drafted per step (>= 1) or auto; /set k changes it."),
+    tree: TreeOpt = False,
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="Longest answer, in tokens; /set max_tokens changes it."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy: exactly the target's own answers; /set temperature changes it."),
     top_k: TopKOpt = 0,
@@ -249,7 +252,7 @@ def chat(
             raise UsageError(f"--{error}") from None
         return run_chat(
             lambda: load_pipeline(options.target, options.draft, target_config, draft_config, progress),
-            k=draft_length, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            k=draft_length, tree=tree, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, system=system, color=False if no_color else None, progress=progress, recalibrate=recalibrate,
         )
 
@@ -262,6 +265,7 @@ def bench(
     target: TargetOpt = None,
     draft: str = typer.Option(None, "--draft", "-d", help=DRAFT_HELP.replace(", or `none` for plain target decoding", ""), show_default="qwen2.5-coder-0.5b"),
     k: str = typer.Option("auto", "--k", "-k", help="Draft length, or a comma-separated sweep such as 1,2,4,8,auto (auto: the adaptive policy)."),
+    tree: TreeOpt = False,
     repeat: int = typer.Option(1, "--repeat", "-r", help="Run every prompt this many times; mean and spread are reported."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="New tokens per run."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 (the default) is greedy, and outputs are checked to be identical."),
@@ -313,11 +317,11 @@ def bench(
             raise UsageError(f"--format must be one of {', '.join(bench_report.FORMATS)}, got {output_format!r}")
         try:
             sampling = SamplingConfig(temperature, top_k, top_p, seed)
-            settings = BenchSettings(sampling, max_new_tokens, tuple(ks), repeat, chat=chat, system=system)
+            settings = BenchSettings(sampling, max_new_tokens, tuple(ks), repeat, chat=chat, system=system, tree=tree)
         except ValueError as error:
             raise UsageError(str(error)) from None
         if options.draft.strip().lower() == NO_DRAFT:
-            raise UsageError("bench compares speculative decoding with plain decoding and needs a draft", "use --draft MODEL or --draft ngram")
+            raise UsageError("bench compares speculative decoding with plain decoding and needs a draft", "use --draft MODEL, --draft ngram or --draft lookahead")
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
         generator = pipeline.generator(progress, recalibrate)

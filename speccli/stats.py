@@ -35,6 +35,8 @@ class GenerationStats:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    fed: int = 0  # tokens fed to the target's verification passes
+    tree_steps: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -56,6 +58,8 @@ class GenerationStats:
         self.steps += other.steps
         self.drafted += other.drafted
         self.accepted += other.accepted
+        self.fed += other.fed
+        self.tree_steps += other.tree_steps
         self.prefill_seconds += other.prefill_seconds
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
@@ -95,6 +99,8 @@ class GenerationStats:
             self.steps += 1
             self.drafted += event.drafted
             self.accepted += event.accepted
+            self.fed += event.fed
+            self.tree_steps += event.tree
             self.draft_seconds += event.draft_seconds
             self.verify_seconds += event.verify_seconds
             while len(self.drafted_at) < event.drafted:
@@ -118,6 +124,11 @@ class GenerationStats:
     @property
     def tokens_per_step(self) -> float | None:
         return self.new_tokens / self.steps if self.steps else None
+
+    @property
+    def mean_pass_size(self) -> float | None:
+        """Tokens per verification pass: drafted + 1 for chains, nodes + 1 for trees."""
+        return self.fed / self.steps if self.steps else None
 
     @property
     def mean_draft_length(self) -> float | None:
@@ -154,6 +165,8 @@ class GenerationStats:
             "tokens_per_step": rounded(self.tokens_per_step),
             "predicted_tokens_per_step": rounded(self.predicted_tokens_per_step),
             "mean_draft_length": rounded(self.mean_draft_length),
+            "mean_pass_size": rounded(self.mean_pass_size),
+            "tree_steps": self.tree_steps,
             "provenance": dict(self.provenance),
             "prefill_seconds": rounded(self.prefill_seconds),
             "draft_seconds": rounded(self.draft_seconds),

@@ -130,7 +130,7 @@ def test_help_is_generated_from_the_registry():
         "  /exit            end the session and show its statistics (also /bye, /quit)",
         "  /clear           forget the conversation (the system prompt is kept)",
         "  /system TEXT     set the system prompt (without TEXT: show it)",
-        "  /set NAME VALUE  change temperature, top_p, top_k, k, max_tokens or seed (no arguments: show them)",
+        "  /set NAME VALUE  change temperature, top_p, top_k, k, max_tokens, seed or tree (no arguments: show them)",
         "  /stats           show the session's statistics",
         "  /save PATH       save the conversation, statistics and settings as JSON",
         "  /regen           regenerate the last answer",
@@ -147,6 +147,12 @@ def test_help_command_prints_the_help_and_the_legend(models):
     assert err.getvalue().startswith(help_text() + "\n")
     assert "Token colours: green = drafted and accepted" in err.getvalue()
     assert out.getvalue() == ""
+
+
+def test_set_tree_switches_the_next_answers_to_token_trees():
+    name, settings = ChatSettings().changed("Tree", "on")
+    assert (name, settings.spec.tree) == ("tree", True)
+    assert settings.changed("tree", "off")[1].spec.tree is False
 
 
 @pytest.mark.parametrize(
@@ -172,8 +178,9 @@ def test_help_command_prints_the_help_and_the_legend(models):
         ("/set top_p 1.5", "error: top_p must be in (0, 1], got 1.5"),
         ("/set top_k -1", "error: top_k must be >= 0 (0 disables it), got -1"),
         ("/set max_tokens 0", "error: max_new_tokens must be >= 1, got 0"),
-        ("/set colour red", "error: unknown setting 'colour'; one of temperature, top_p, top_k, k, max_tokens, seed"),
-        ("/set k", "error: usage: /set NAME VALUE, NAME one of temperature, top_p, top_k, k, max_tokens, seed"),
+        ("/set colour red", "error: unknown setting 'colour'; one of temperature, top_p, top_k, k, max_tokens, seed, tree"),
+        ("/set k", "error: usage: /set NAME VALUE, NAME one of temperature, top_p, top_k, k, max_tokens, seed, tree"),
+        ("/set tree maybe", "error: tree must be on or off, got 'maybe'"),
         ("/frobnicate", "error: unknown command /frobnicate; /help lists the commands"),
         ("/save", "error: usage: /save PATH"),
         ("/regen", "error: there is no answer to regenerate yet"),

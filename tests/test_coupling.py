@@ -115,7 +115,7 @@ def sampling_for(seed: int) -> SamplingConfig:
 def outputs_by_method(generator: Generator, model_drafter: ModelDrafter, prompt: list[int], sampling, max_new: int):
     """token ids of one seeded generation by each method, 'auto' twice in a row."""
     out = {}
-    spec = lambda k: SpecConfig(k=k, max_new_tokens=max_new)  # noqa: E731
+    spec = lambda k, tree=False: SpecConfig(k=k, max_new_tokens=max_new, tree=tree)  # noqa: E731
     out["plain"] = generator.stream(prompt, sampling, spec(4), plain=True).run().token_ids
     generator.use_drafter(model_drafter)
     stats = {}
@@ -123,8 +123,14 @@ def outputs_by_method(generator: Generator, model_drafter: ModelDrafter, prompt:
         generation = generator.stream(prompt, sampling, spec(k.split()[0] if isinstance(k, str) else k)).run()
         out[f"k={k}"] = generation.token_ids
         stats[k] = generation.stats
+    # Trees: each depth's candidates ranked by that position's noise, verified by it.
+    for k in (4, "auto"):
+        generation = generator.stream(prompt, sampling, spec(k, tree=True)).run()
+        out[f"tree k={k}"] = generation.token_ids
+        stats[f"tree {k}"] = generation.stats
     generator.use_drafter(PromptLookupDrafter())
     out["ngram"] = generator.stream(prompt, sampling, spec("auto")).run().token_ids
+    out["ngram tree"] = generator.stream(prompt, sampling, spec(4, tree=True)).run().token_ids
     return out, stats
 
 

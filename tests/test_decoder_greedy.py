@@ -64,9 +64,11 @@ def references(pairs, tokenizer):
     }
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8, "auto"])
+@pytest.mark.parametrize(
+    "k, tree", [(1, False), (2, False), (4, False), (8, False), ("auto", False), (1, True), (4, True), ("auto", True)]
+)
 @pytest.mark.parametrize("pair_index", [0, 1])
-def test_model_draft_equals_target_greedy(pairs, tokenizer, references, pair_index, k):
+def test_model_draft_equals_target_greedy(pairs, tokenizer, references, pair_index, k, tree):
     pair = pairs[pair_index]
     # One decoder for all prompts: each generation reuses and rolls back the caches
     # left by the previous one, which must not change a single token.
@@ -74,24 +76,34 @@ def test_model_draft_equals_target_greedy(pairs, tokenizer, references, pair_ind
         wrap(pair.target), tokenizer, [EOS], ModelDrafter(wrap(pair.draft), len(tokenizer))
     )
     drafted = 0
+    branched = False
     for prompt in PROMPTS:
         events = list(
-            decoder.generate(encode(tokenizer, prompt), SamplingConfig(), SpecConfig(k=k, max_new_tokens=MAX_NEW))
+            decoder.generate(
+                encode(tokenizer, prompt), SamplingConfig(), SpecConfig(k=k, max_new_tokens=MAX_NEW, tree=tree)
+            )
         )
         assert emitted(events) == references[(pair.name, prompt)], prompt
-        drafted += sum(e.drafted for e in events if isinstance(e, StepEvent))
+        steps = [e for e in events if isinstance(e, StepEvent)]
+        drafted += sum(e.drafted for e in steps)
+        branched |= any(e.fed > e.drafted + 1 for e in steps)
+        assert all(e.tree == (tree and e.drafted > 0) for e in steps)
     assert drafted > 0
+    # Trees branch (a pass holds more tokens than one chain k deep would).
+    assert branched == tree
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8, "auto"])
+@pytest.mark.parametrize("k, tree", [(1, False), (2, False), (4, False), (8, False), ("auto", False), (4, True), ("auto", True)])
 @pytest.mark.parametrize("pair_index", [0, 1])
-def test_prompt_lookup_equals_target_greedy(pairs, tokenizer, references, pair_index, k):
+def test_prompt_lookup_equals_target_greedy(pairs, tokenizer, references, pair_index, k, tree):
     pair = pairs[pair_index]
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], PromptLookupDrafter())
     accepted = 0
     for prompt in PROMPTS:
         events = list(
-            decoder.generate(encode(tokenizer, prompt), SamplingConfig(), SpecConfig(k=k, max_new_tokens=MAX_NEW))
+            decoder.generate(
+                encode(tokenizer, prompt), SamplingConfig(), SpecConfig(k=k, max_new_tokens=MAX_NEW, tree=tree)
+            )
         )
         assert emitted(events) == references[(pair.name, prompt)], prompt
         accepted += sum(e.accepted for e in events if isinstance(e, StepEvent))
@@ -125,11 +137,13 @@ def test_plain_decoding_without_drafter(pairs, tokenizer, references):
     assert all(e.provenance.value == "target" for e in events if isinstance(e, TokenEvent))
 
 
-def test_max_new_tokens_is_exact_even_when_a_step_could_overshoot(pairs, tokenizer):
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_max_new_tokens_is_exact_even_when_a_step_could_overshoot(pairs, tokenizer, tree):
     pair = pairs[0]
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [], ModelDrafter(wrap(pair.draft), len(tokenizer)))
     for max_new in (1, 2, 3, 7, 10):
-        events = list(decoder.generate(encode(tokenizer, "hello"), SamplingConfig(), SpecConfig(k=8, max_new_tokens=max_new)))
+        spec = SpecConfig(k=8, max_new_tokens=max_new, tree=tree)
+        events = list(decoder.generate(encode(tokenizer, "hello"), SamplingConfig(), spec))
         assert len(emitted(events)) == max_new
         finish = events[-1]
         assert isinstance(finish, FinishEvent)

@@ -81,19 +81,23 @@ def small_pair():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sampling, stop_confidence, backend",
+    "sampling, stop_confidence, backend, tree",
     [
-        (SamplingConfig(temperature=1.0, seed=1234), 0.0, wrap),
-        (SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, seed=4321), 0.0, wrap),
+        (SamplingConfig(temperature=1.0, seed=1234), 0.0, wrap, False),
+        (SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, seed=4321), 0.0, wrap, False),
         # Stopping the draft after a token it was unsure of decides the draft length from
         # the sampled tokens themselves: a stopping time, so the output stays exact.
-        (SamplingConfig(temperature=1.0, seed=2468), 0.12, wrap),
+        (SamplingConfig(temperature=1.0, seed=2468), 0.12, wrap, False),
         # The static-cache backend (rollback moves a write position) samples exactly too.
-        (SamplingConfig(temperature=1.0, seed=1357), 0.12, wrap_static),
+        (SamplingConfig(temperature=1.0, seed=1357), 0.12, wrap_static, False),
+        # Trees: siblings drawn without replacement, the multi-candidate rule, the path's
+        # cache entries moved into place (and a tree's depth decided by its own draws).
+        (SamplingConfig(temperature=1.0, seed=9753), 0.0, wrap, True),
+        (SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, seed=8642), 0.0, wrap_static, True),
     ],
-    ids=["t1", "t0.7-topk6-topp0.9", "t1-early-stop", "t1-early-stop-static-cache"],
+    ids=["t1", "t0.7-topk6-topp0.9", "t1-early-stop", "t1-early-stop-static-cache", "t1-tree", "t0.7-topk6-topp0.9-tree-static-cache"],
 )
-def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sampling, stop_confidence, backend, monkeypatch):
+def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sampling, stop_confidence, backend, tree, monkeypatch):
     # The rejection rule, which runs when no seed is given; seeded here (through the
     # decoder's torch.Generator) so that the test is reproducible. The coupled rule that
     # a seed selects is tested in test_coupling.py.
@@ -103,16 +107,19 @@ def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sa
     prompt = tokenizer("abc", add_special_tokens=False)["input_ids"]
     drafter = ModelDrafter(backend(draft), vocab, stop_confidence=stop_confidence)
     decoder = SpeculativeDecoder(backend(target), tokenizer, [], drafter)
-    spec = SpecConfig(k=2, max_new_tokens=CONTINUATION)
+    spec = SpecConfig(k=2, max_new_tokens=CONTINUATION, tree=tree)
     generator_seed = torch.Generator().manual_seed(sampling.seed)
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
     provenances = collections.Counter()
     first_draft_lengths = collections.Counter()
+    first_pass_sizes = collections.Counter()
     for _ in range(DRAWS):
         seed = int(torch.randint(0, 2**62, (1,), generator=generator_seed))
         run = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
         events = list(decoder.generate(prompt, run, spec))
-        first_draft_lengths[next(e.drafted for e in events if isinstance(e, StepEvent))] += 1
+        first_step = next(e for e in events if isinstance(e, StepEvent))
+        first_draft_lengths[first_step.drafted] += 1
+        first_pass_sizes[first_step.fed] += 1
         tokens = [e for e in events if isinstance(e, TokenEvent)]
         assert len(tokens) == CONTINUATION
         index = 0
@@ -124,8 +131,10 @@ def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sa
     assert {Provenance.ACCEPTED, Provenance.RESAMPLED, Provenance.BONUS} <= set(provenances)
     if stop_confidence:  # both stopped and full drafts happened
         assert first_draft_lengths[1] > DRAWS / 20 and first_draft_lengths[2] > DRAWS / 20, first_draft_lengths
-    else:
+    elif not tree:
         assert set(first_draft_lengths) == {2}
+    if tree:  # passes that checked more than one chain's worth of candidates
+        assert sum(n for size, n in first_pass_sizes.items() if size > 3) > DRAWS / 20, first_pass_sizes
     exact = exact_continuation_distribution(target, prompt, sampling)
     assert chi_square_pvalue(counts, exact) >= 1e-3
     # The test has power: the same draws are clearly not the draft's distribution.

@@ -26,6 +26,7 @@ class BenchSettings:
     chat: bool = False
     system: str | None = None
     stop_strings: tuple[str, ...] = ()
+    tree: bool = False
 
     def __post_init__(self) -> None:
         if not self.ks:
@@ -37,7 +38,7 @@ class BenchSettings:
         SpecConfig(k=1, max_new_tokens=self.max_new_tokens, stop_strings=self.stop_strings)
 
     def spec_config(self, k: int | str) -> SpecConfig:
-        return SpecConfig(k=k, max_new_tokens=self.max_new_tokens, stop_strings=self.stop_strings)
+        return SpecConfig(k=k, max_new_tokens=self.max_new_tokens, stop_strings=self.stop_strings, tree=self.tree)
 
     def sampling_for(self, repeat: int) -> SamplingConfig:
         return self.sampling.nth(repeat)
@@ -57,6 +58,7 @@ class BenchSettings:
             "chat": self.chat,
             "system": self.system,
             "stop_strings": list(self.stop_strings),
+            "tree": self.tree,
         }
 
 

@@ -30,7 +30,7 @@ DEFAULT_MAX_TOKENS = 512
 DEFAULT_BASELINE_TOKENS = 8
 DEFAULT_BASELINE_BUDGET = 64
 
-SETTING_NAMES = ("temperature", "top_p", "top_k", "k", "max_tokens", "seed")
+SETTING_NAMES = ("temperature", "top_p", "top_k", "k", "max_tokens", "seed", "tree")
 _SETTING_ALIASES = {
     "temp": "temperature",
     "max_new_tokens": "max_tokens",
@@ -61,6 +61,14 @@ def _parse_int(name: str, raw: str) -> int:
         raise SettingError(f"{name} must be a whole number, got {raw!r}") from None
 
 
+def _parse_switch(name: str, raw: str) -> bool:
+    switch = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
+    value = switch.get(raw.lower())
+    if value is None:
+        raise SettingError(f"{name} must be on or off, got {raw!r}")
+    return value
+
+
 def _parse_float(name: str, raw: str) -> float:
     try:
         value = float(raw)
@@ -79,6 +87,7 @@ _FIELDS: dict[str, tuple[str, str]] = {
     "seed": ("sampling", "seed"),
     "k": ("spec", "k"),
     "max_tokens": ("spec", "max_new_tokens"),
+    "tree": ("spec", "tree"),
 }
 
 
@@ -96,7 +105,7 @@ class ChatSettings:
 
     @classmethod
     def of(cls, **values: Any) -> ChatSettings:
-        """Settings from /set names (temperature, top_k, top_p, seed, k, max_tokens).
+        """Settings from /set names (temperature, top_k, top_p, seed, k, max_tokens, tree).
         Raises SettingError."""
         settings = cls()
         for name, value in values.items():
@@ -129,6 +138,8 @@ class ChatSettings:
             value = None if raw.lower() in ("none", "off", "random") else _parse_int(name, raw)
         elif name == "k" and raw.lower() == AUTO_K:
             value = AUTO_K
+        elif name == "tree":
+            value = _parse_switch(name, raw)
         else:
             value = _parse_int(name, raw)
         return name, self.with_value(name, value)

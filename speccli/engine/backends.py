@@ -38,6 +38,21 @@ class CausalLM(Protocol):
         """Keep only the first `length` cached tokens."""
         ...
 
+    def forward_tree(
+        self, token_ids: Sequence[int], positions: Sequence[int], visible: torch.Tensor, window_start: int
+    ) -> torch.Tensor:
+        """Append `token_ids` at the given positions, each attending to every cached entry
+        before `window_start` and to the entries from there on (cached ones, then the new
+        ones) where its row of `visible` ([n, cached - window_start + n], bool) is True.
+        Returns float32 logits [n, V]. The cache then holds them all, in fed order, until
+        `keep` or `rollback` says which stay."""
+        ...
+
+    def keep(self, start: int, offsets: Sequence[int]) -> None:
+        """Keep the first `start` cached entries followed by those at start + each offset
+        (ascending), moved into place; forget the rest."""
+        ...
+
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
@@ -66,6 +81,10 @@ class TransformersLM:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in params
         self._device = next(model.parameters()).device
+        # The dtype of the additive attention masks this backend builds.
+        self._mask_dtype = model.get_input_embeddings().weight.dtype
+        if not self._mask_dtype.is_floating_point:
+            self._mask_dtype = torch.float32
         self._tokens: list[int] = []
         # Wall time spent inside forward(), for measuring the engine's own overhead.
         self.forward_seconds = 0.0
@@ -99,6 +118,36 @@ class TransformersLM:
         """Drop the cache's last `extra` entries, keeping `length`."""
         raise NotImplementedError
 
+    def keep(self, start: int, offsets: Sequence[int]) -> None:
+        offsets = list(offsets)
+        if offsets != sorted(set(offsets)) or (offsets and (offsets[0] < 0 or start + offsets[-1] >= len(self._tokens))):
+            raise ValueError(f"cannot keep offsets {offsets} past {start} of {len(self._tokens)} cached entries")
+        moved = [(i, o) for i, o in enumerate(offsets) if i != o]
+        if moved:
+            with torch.inference_mode():
+                self._move_entries(start, offsets)
+            self._tokens[start : start + len(offsets)] = [self._tokens[start + o] for o in offsets]
+        self.rollback(start + len(offsets))
+
+    def _move_entries(self, start: int, offsets: list[int]) -> None:
+        """Copy the cache entries at start + offsets to start, start + 1, ... (the tail
+        past them is dropped afterwards by `rollback`)."""
+        raise NotImplementedError
+
+    def _tree_mask(self, n: int, cached: int, window_start: int, visible: torch.Tensor, width: int) -> torch.Tensor:
+        """[1, 1, n, width] additive mask: everything before `window_start` visible, the
+        window (cached entries past it, then the n new ones) as `visible` says, the rest
+        (a static cache's empty slots) hidden."""
+        window = cached - window_start + n
+        if tuple(visible.shape) != (n, window):
+            raise ValueError(f"visible must be [{n}, {window}], got {list(visible.shape)}")
+        seen = torch.zeros((n, width), dtype=torch.bool, device=self._device)
+        seen[:, :window_start] = True
+        seen[:, window_start : cached + n] = visible.to(self._device)
+        hidden = torch.finfo(self._mask_dtype).min
+        mask = torch.zeros((n, width), dtype=self._mask_dtype, device=self._device).masked_fill_(~seen, hidden)
+        return mask[None, None]
+
 
 class HFCausalLM(TransformersLM):
     """A transformers causal LM plus its DynamicCache.
@@ -117,11 +166,27 @@ class HFCausalLM(TransformersLM):
     def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
         if not token_ids:
             raise ValueError("forward() needs at least one token")
-        started = time.perf_counter()
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)
-        kwargs = {self._cache_kwarg: self._cache, "use_cache": True}
+        kwargs = {}
         if not all_logits and self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = 1
+        return self._pass(token_ids, kwargs, all_logits)
+
+    def forward_tree(
+        self, token_ids: Sequence[int], positions: Sequence[int], visible: torch.Tensor, window_start: int
+    ) -> torch.Tensor:
+        n, cached = len(token_ids), len(self._tokens)
+        if n == 0 or len(positions) != n:
+            raise ValueError("forward_tree() needs one position per token, and a token")
+        kwargs = {
+            "position_ids": torch.tensor([list(positions)], dtype=torch.long, device=self._device),
+            "attention_mask": self._tree_mask(n, cached, window_start, visible, cached + n),
+        }
+        return self._pass(token_ids, kwargs, all_logits=True)
+
+    def _pass(self, token_ids: Sequence[int], kwargs: dict, all_logits: bool) -> torch.Tensor:
+        started = time.perf_counter()
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)
+        kwargs = {self._cache_kwarg: self._cache, "use_cache": True, **kwargs}
         try:
             with torch.inference_mode():
                 out = self.model(input_ids=ids, **kwargs)
@@ -144,3 +209,10 @@ class HFCausalLM(TransformersLM):
             self._cache = self._new_cache()
         else:
             self._cache.crop(-extra)
+
+    def _move_entries(self, start: int, offsets: list[int]) -> None:
+        source = torch.tensor([start + o for o in offsets], dtype=torch.long, device=self._device)
+        end = start + len(offsets)
+        for layer in self._cache.layers:
+            layer.keys[..., start:end, :] = layer.keys.index_select(-2, source)
+            layer.values[..., start:end, :] = layer.values.index_select(-2, source)

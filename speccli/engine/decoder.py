@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Iterator
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.backends import CausalLM, common_prefix_length
 from speccli.engine.calibration import CostProfile
-from speccli.engine.coupling import PositionNoise, verify_coupled
+from speccli.engine.coupling import PositionNoise, perturbed, verify_coupled
 from speccli.engine.drafters import Draft, Drafter
 from speccli.engine.events import (
     Event,
@@ -31,6 +32,23 @@ from speccli.engine.policy import AcceptancePrior, AdaptiveDraftLength, DraftLen
 from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
 from speccli.engine.text import Detokenizer, OutputText
 from speccli.engine.context import check_fits
+from speccli.engine.lookahead import DEFAULT_SHAPE as DEFAULT_LOOKAHEAD
+from speccli.engine.lookahead import LookaheadDrafter
+from speccli.engine.lookahead import choose_shape as choose_lookahead_shape
+from speccli.engine.tree import TreeShape, kept_offsets, verify_tree_greedy, verify_tree_sampled
+
+
+# Nodes of a tree verified in one pass when no costs were measured (a fixed k, no calibration).
+DEFAULT_TREE_NODES = 8
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step settled: the new tokens, where each came from, and the step's event."""
+
+    tokens: list[int]
+    provenances: list[Provenance]
+    event: StepEvent
 
 
 def provenance_of(position: int, drafted: int, accepted: int) -> Provenance:
@@ -159,29 +177,15 @@ class SpeculativeDecoder:
 
             # The output position of the next token: the coupled rule's noise is chosen by it.
             next_position = len(context) - len(prompt_ids)
-            draft_started = time.perf_counter()
-            draft = Draft([])
-            if k > 0 and self.drafter is not None:
-                draft_noise = None if noise is None else noise.from_position(next_position)
-                draft = self.drafter.propose(context, k, sampling, generator, noise=draft_noise)
-            verify_started = time.perf_counter()
-            verdict = self._verify(context[-1], draft, sampling, generator, noise, next_position)
-            settled = len(context) + verdict.accepted
-            self.target.rollback(settled)
-            if self.drafter is not None:
-                self.drafter.rollback(settled)
-            verified = time.perf_counter()
-
             step += 1
-            step_event = StepEvent(
-                step=step,
-                drafted=len(draft),
-                accepted=verdict.accepted,
-                draft_seconds=verify_started - draft_started,
-                verify_seconds=verified - verify_started,
-            )
+            trees = spec.tree or getattr(self.drafter, "verifies_trees", False)
+            if k > 0 and trees and hasattr(self.drafter, "propose_tree"):
+                outcome = self._tree_step(context, k, policy, sampling, generator, noise, next_position, step)
+            else:
+                outcome = self._chain_step(context, k, sampling, generator, noise, next_position, step)
+            step_event = outcome.event
             policy.observe(step_event)
-            new_tokens = draft.tokens[: verdict.accepted] + [verdict.next_token]
+            new_tokens = outcome.tokens
             context.extend(new_tokens)
             if noise is not None:
                 noise.forget_before(next_position + len(new_tokens))
@@ -192,8 +196,7 @@ class SpeculativeDecoder:
                     finish = FinishReason.EOS
                     break
                 emitted += 1
-                provenance = provenance_of(position, len(draft), verdict.accepted)
-                output.push(token, provenance, step, position)
+                output.push(token, outcome.provenances[position], step, position)
                 yield from output.take()
                 if output.stopped_by is not None:
                     finish = FinishReason.STOP_STRING
@@ -222,6 +225,15 @@ class SpeculativeDecoder:
     def _policy_for(self, spec: SpecConfig) -> DraftLengthPolicy:
         if self.drafter is None:
             return FixedDraftLength(0)
+        if isinstance(self.drafter, LookaheadDrafter):
+            # Its shape is chosen from the measured costs (k auto) or from k (the n-gram's
+            # continuation length); no shape that pays means plain decoding.
+            if isinstance(spec.k, int):
+                shape = replace(DEFAULT_LOOKAHEAD, ngram=spec.k + 1) if spec.k > 0 else None
+            else:
+                shape = choose_lookahead_shape(self.costs.verify_seconds if self.costs else None)
+            self.drafter.configure(shape)
+            return FixedDraftLength(shape.ngram - 1 if shape else 0)
         if isinstance(spec.k, int):
             return FixedDraftLength(spec.k)
         started_from = (spec.max_k, self.costs, self.prior)
@@ -243,6 +255,126 @@ class SpeculativeDecoder:
             if self.costs is not None:
                 self._adaptive.costs.seed(self.costs.verify_seconds, self.costs.draft_seconds)
         return self._adaptive
+
+    def _chain_step(
+        self,
+        context: list[int],
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        noise: PositionNoise | None,
+        next_position: int,
+        step: int,
+    ) -> StepOutcome:
+        draft_started = time.perf_counter()
+        draft = Draft([])
+        if k > 0 and self.drafter is not None:
+            draft_noise = None if noise is None else noise.from_position(next_position)
+            draft = self.drafter.propose(context, k, sampling, generator, noise=draft_noise)
+        verify_started = time.perf_counter()
+        verdict = self._verify(context[-1], draft, sampling, generator, noise, next_position)
+        self._settle(len(context) + verdict.accepted)
+        tokens = draft.tokens[: verdict.accepted] + [verdict.next_token]
+        return StepOutcome(
+            tokens=tokens,
+            provenances=[provenance_of(i, len(draft), verdict.accepted) for i in range(len(tokens))],
+            event=StepEvent(
+                step=step,
+                drafted=len(draft),
+                accepted=verdict.accepted,
+                draft_seconds=verify_started - draft_started,
+                verify_seconds=time.perf_counter() - verify_started,
+            ),
+        )
+
+    def _tree_step(
+        self,
+        context: list[int],
+        k: int,
+        policy: DraftLengthPolicy,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        noise: PositionNoise | None,
+        next_position: int,
+        step: int,
+    ) -> StepOutcome:
+        """Draft a tree k deep, verify it in one pass (speccli.engine.tree), keep the
+        accepted path in the target's cache."""
+        draft_started = time.perf_counter()
+        draft_noise = None if noise is None else noise.from_position(next_position)
+        shape = self._tree_shape(k, policy)
+        if self.target.max_length is not None:
+            # The pass holds the pending token and every node until the path is kept.
+            shape = replace(shape, max_nodes=min(shape.max_nodes, self.target.max_length - len(context)))
+        tree = self.drafter.propose_tree(context, shape, sampling, generator, noise=draft_noise)
+        verify_started = time.perf_counter()
+        cached = len(self.target.cached_tokens)
+        depths = tree.fed_depths()
+        fed = [context[-1], *tree.tokens]
+        positions = [cached + d for d in depths]
+        visible = tree.visibility()
+        branch = self.drafter.branch(context) if hasattr(self.drafter, "branch") else None
+        if branch is not None and (
+            self.target.max_length is None or cached + len(fed) + len(branch) <= self.target.max_length
+        ):
+            # Lookahead decoding's Jacobi window rides along: it sees the pending token and
+            # itself, the tree does not see it, and none of it stays in the cache.
+            fed += branch.tokens
+            positions += [cached + offset for offset in branch.offsets]
+            visible = branch.beside(visible)
+        else:
+            branch = None
+        logits = self.target.forward_tree(fed, positions, visible, cached)
+        if branch is not None:
+            self.drafter.advance(torch.argmax(logits[len(tree) + 1 :], dim=-1).tolist())
+            logits = logits[: len(tree) + 1]
+        if sampling.greedy:
+            verdict = verify_tree_greedy(logits, tree)
+        elif noise is not None:
+            rows = noise.rows(next_position, tree.depth + 1)[depths]
+            verdict = verify_tree_greedy(perturbed(warp(logits, sampling), rows), tree)
+        else:
+            verdict = verify_tree_sampled(warp(logits, sampling), tree, generator)
+        self.target.keep(cached, kept_offsets(tree, verdict.path))
+        if self.drafter is not None:
+            self.drafter.rollback(len(context) + len(verdict.path))
+        tokens = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
+        last = Provenance.RESAMPLED if verdict.resampled else Provenance.BONUS
+        if not tree:
+            last = Provenance.TARGET
+        return StepOutcome(
+            tokens=tokens,
+            provenances=[Provenance.ACCEPTED] * len(verdict.path) + [last],
+            event=StepEvent(
+                step=step,
+                drafted=tree.depth,
+                accepted=len(verdict.path),
+                draft_seconds=verify_started - draft_started,
+                verify_seconds=time.perf_counter() - verify_started,
+                fed=len(fed),
+                tree=True,
+            ),
+        )
+
+    def _tree_shape(self, k: int, policy: DraftLengthPolicy) -> TreeShape:
+        """How large a tree may grow: k deep, with as many nodes as the measured costs
+        say pay (up to the largest pass measured, and at least DEFAULT_TREE_NODES)."""
+        costs = getattr(policy, "costs", None)
+        if costs is not None and costs.verify:
+            # Unmeasured sizes are guessed optimistically, so that they get tried and measured.
+            largest = max(max(costs.verify), k + 1, DEFAULT_TREE_NODES + 1)
+            seconds = [None, *(costs.verify_seconds(fed) for fed in range(1, largest + 1))]
+            return TreeShape(k, largest - 1, seconds, costs.draft_per_token)
+        if self.costs is not None:
+            largest = max(self.costs.verify_seconds)
+            seconds = [None, *(self.costs.verify_seconds.get(fed) for fed in range(1, largest + 1))]
+            return TreeShape(k, max(k, largest - 1), seconds, self.costs.draft_seconds)
+        return TreeShape(k, max(k, DEFAULT_TREE_NODES))
+
+    def _settle(self, settled: int) -> None:
+        self.target.rollback(settled)
+        if self.drafter is not None:
+            self.drafter.rollback(settled)
 
     def learned(self) -> AcceptancePrior | None:
         """What `k=auto` has learned about the draft's acceptance so far (with the prior it

@@ -16,6 +16,12 @@ from speccli.config import SamplingConfig
 from speccli.engine.backends import CausalLM, common_prefix_length
 from speccli.engine.coupling import Noise, gumbel_argmax
 from speccli.engine.sampling import sample, warp
+from speccli.engine.tree import TokenTree, TreeShape
+from speccli.engine.tree_drafters import grow_model_tree, trie
+
+# Earlier occurrences of an n-gram prompt lookup remembers (the latest ones): each can
+# offer a branch of a tree.
+OCCURRENCES_KEPT = 4
 
 
 @dataclass(frozen=True)
@@ -110,14 +116,29 @@ class ModelDrafter:
         # the tokens after it would rarely survive, and each costs a draft pass.
         self.stop_confidence = stop_confidence
 
-    def _readable(self, ids: Sequence[int]) -> list[int]:
+    def readable(self, ids: Sequence[int]) -> list[int]:
+        """The ids as the draft is fed them (an id it may not know becomes `substitute_id`)."""
         limit, substitute = self.shared_vocab, self.substitute_id
         return [i if i < limit else substitute for i in ids]
+
+    def aligned(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits over the target's vocabulary, -inf where it may not propose."""
+        return align_vocab(logits, self.target_vocab_size, self.shared_vocab)
+
+    def context_logits(self, context: Sequence[int]) -> torch.Tensor:
+        """The draft's logits [V_draft] for the token after `context`, its cache brought
+        up to the whole context (re-scoring the last token when already cached)."""
+        cached = len(self.model.cached_tokens)
+        if cached >= len(context):
+            # The last context token's logits are not kept: score it again.
+            self.model.rollback(len(context) - 1)
+            cached = len(context) - 1
+        return self.model.forward(self.readable(context[cached:]), all_logits=False)[-1]
 
     def start(self, context: Sequence[int]) -> None:
         """Reuse what the cache shares with the context and prefill the rest but the last
         token, so that the prompt's cost is not counted as drafting."""
-        settled = self._readable(context[:-1])
+        settled = self.readable(context[:-1])
         reused = common_prefix_length(self.model.cached_tokens, settled)
         self.model.rollback(reused)
         if reused < len(settled):
@@ -133,16 +154,11 @@ class ModelDrafter:
     ) -> Draft:
         if k <= 0:
             return Draft([])
-        cached = len(self.model.cached_tokens)
-        if cached >= len(context):
-            # The last context token's logits are not kept: score it again.
-            self.model.rollback(len(context) - 1)
-            cached = len(context) - 1
-        logits = self.model.forward(self._readable(context[cached:]), all_logits=False)[-1]
+        logits = self.context_logits(context)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
-            row = align_vocab(logits, self.target_vocab_size, self.shared_vocab)
+            row = self.aligned(logits)
             if generator is not None:
                 row = row.to(generator.device)
             if sampling.greedy:
@@ -158,6 +174,18 @@ class ModelDrafter:
                 break
             logits = self.model.forward([token], all_logits=False)[-1]
         return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def propose_tree(
+        self,
+        context: Sequence[int],
+        shape: TreeShape,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        noise: Noise | None = None,
+    ) -> TokenTree:
+        """A tree of candidates, branching where the draft is unsure (see
+        speccli.engine.tree_drafters); its cache holds the context only afterwards."""
+        return grow_model_tree(self, context, shape, sampling, generator, noise)
 
     def rollback(self, length: int) -> None:
         self.model.rollback(min(length, len(self.model.cached_tokens)))
@@ -182,8 +210,9 @@ class PromptLookupDrafter:
         self._reset()
 
     def _reset(self) -> None:
-        # For each n: n-gram -> end index (exclusive) of its latest occurrence that has a continuation.
-        self._index: dict[int, dict[tuple[int, ...], int]] = {
+        # For each n: n-gram -> end indices (exclusive) of its latest occurrences that have a
+        # continuation, the latest last.
+        self._index: dict[int, dict[tuple[int, ...], list[int]]] = {
             n: {} for n in range(self.min_ngram, self.max_ngram + 1)
         }
         self._indexed_upto = 0
@@ -196,7 +225,10 @@ class PromptLookupDrafter:
         for end in range(max(self._indexed_upto, 1), len(context)):
             for n, table in self._index.items():
                 if end >= n:
-                    table[tuple(context[end - n : end])] = end
+                    ends = table.setdefault(tuple(context[end - n : end]), [])
+                    ends.append(end)
+                    if len(ends) > OCCURRENCES_KEPT:
+                        del ends[0]
         self._indexed_upto = max(self._indexed_upto, len(context))
 
     def propose(
@@ -214,10 +246,34 @@ class PromptLookupDrafter:
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if length < n:
                 continue
-            end = self._index[n].get(tuple(context[length - n :]))
-            if end is not None:
-                return Draft(list(context[end : end + k]))
+            ends = self._index[n].get(tuple(context[length - n :]))
+            if ends:
+                return Draft(list(context[ends[-1] : ends[-1] + k]))
         return Draft([])
+
+    def propose_tree(
+        self,
+        context: Sequence[int],
+        shape: TreeShape,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        noise: Noise | None = None,
+    ) -> TokenTree:
+        """The continuations of several earlier occurrences, the longest matching n-grams'
+        and the latest first, merged into a tree."""
+        if shape.max_depth <= 0:
+            return TokenTree([], [])
+        self._extend_index(context)
+        length = len(context)
+        continuations: list[list[int]] = []
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if length < n:
+                continue
+            for end in reversed(self._index[n].get(tuple(context[length - n :]), [])):
+                continuation = list(context[end : end + shape.max_depth])
+                if continuation not in continuations:
+                    continuations.append(continuation)
+        return trie(continuations, shape.max_nodes)
 
     def rollback(self, length: int) -> None:
         if length < self._indexed_upto:

@@ -45,13 +45,22 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class StepEvent:
-    """One target verification pass."""
+    """One target verification pass.
+
+    A chain step drafts `drafted` tokens and feeds drafted + 1. A tree step drafts a tree
+    `drafted` deep with `fed` - 1 nodes; `accepted` is the length of the accepted path."""
 
     step: int
     drafted: int
     accepted: int
     draft_seconds: float
     verify_seconds: float
+    fed: int = 0  # tokens in the target's pass; 0 means drafted + 1 (a chain)
+    tree: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fed == 0:
+            object.__setattr__(self, "fed", self.drafted + 1)
 
     @property
     def tokens(self) -> int:

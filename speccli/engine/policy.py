@@ -61,7 +61,7 @@ class StepCosts:
             self._counts["draft"] = weight
 
     def observe(self, step: StepEvent) -> None:
-        fed = step.drafted + 1
+        fed = step.fed
         self.verify[fed] = self._blend(fed, self.verify.get(fed), step.verify_seconds)
         if step.drafted:
             self.draft_per_token = self._blend(

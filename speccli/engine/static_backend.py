@@ -93,9 +93,6 @@ class StaticCausalLM(TransformersLM):
         if problem is not None:
             raise StaticCacheUnsupported(f"the static-cache backend cannot serve this model: {problem}")
         super().__init__(model, vocab_size)
-        self._dtype = model.get_input_embeddings().weight.dtype
-        if not self._dtype.is_floating_point:
-            self._dtype = torch.float32
         wanted = capacity or DEFAULT_CAPACITY
         self._capacity = min(wanted, self.max_length) if self.max_length else wanted
         self.max_fed = max(1, max_fed)
@@ -145,9 +142,39 @@ class StaticCausalLM(TransformersLM):
         self.forward_seconds += time.perf_counter() - started
         return logits
 
+    def forward_tree(
+        self, token_ids: Sequence[int], positions: Sequence[int], visible: torch.Tensor, window_start: int
+    ) -> torch.Tensor:
+        """Tree passes run eagerly (the graphs are captured for chains, whose mask follows
+        from the positions alone)."""
+        n, start = len(token_ids), len(self._tokens)
+        if n == 0 or len(positions) != n:
+            raise ValueError("forward_tree() needs one position per token, and a token")
+        started = time.perf_counter()
+        self.reserve(start + n)
+        try:
+            with torch.inference_mode():
+                ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)
+                where = torch.tensor([list(positions)], dtype=torch.long, device=self._device)
+                mask = self._tree_mask(n, start, window_start, visible, self._capacity)
+                logits = self._run(self._cache, ids, where, all_logits=True, mask=mask)[0].float()
+        except BaseException:
+            self._set_length(start)
+            raise
+        self._tokens.extend(token_ids)
+        self.forward_seconds += time.perf_counter() - started
+        return logits
+
     def _forget(self, length: int, extra: int) -> None:
         with torch.inference_mode():  # the cache's tensors are inference tensors
             self._move_back(extra)
+
+    def _move_entries(self, start: int, offsets: list[int]) -> None:
+        source = torch.tensor([start + o for o in offsets], dtype=torch.long, device=self._device)
+        end = start + len(offsets)
+        for layer in self._cache.layers:
+            layer.keys[:, :, start:end].copy_(layer.keys.index_select(2, source))
+            layer.values[:, :, start:end].copy_(layer.values.index_select(2, source))
 
     # ------------------------------------------------------------------ cache
 
@@ -217,17 +244,19 @@ class StaticCausalLM(TransformersLM):
         """[1, 1, n, capacity] additive mask: query i sees slots 0 .. positions[i]."""
         slots = torch.arange(capacity, device=positions.device)
         visible = slots[None, None, None, :] <= positions[:, None, :, None]
-        zero = torch.zeros((), dtype=self._dtype, device=positions.device)
-        hidden = torch.full((), torch.finfo(self._dtype).min, dtype=self._dtype, device=positions.device)
+        zero = torch.zeros((), dtype=self._mask_dtype, device=positions.device)
+        hidden = torch.full((), torch.finfo(self._mask_dtype).min, dtype=self._mask_dtype, device=positions.device)
         return torch.where(visible, zero, hidden)
 
-    def _run(self, cache, ids: torch.Tensor, positions: torch.Tensor, all_logits: bool) -> torch.Tensor:
+    def _run(
+        self, cache, ids: torch.Tensor, positions: torch.Tensor, all_logits: bool, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One model pass writing at the cache's write position; logits [1, n or 1, V]."""
         kwargs = {
             self._cache_kwarg: cache,
             "use_cache": True,
             "position_ids": positions,
-            "attention_mask": self._mask(positions, cache.layers[0].max_cache_len),
+            "attention_mask": self._mask(positions, cache.layers[0].max_cache_len) if mask is None else mask,
         }
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = 0 if all_logits else 1

@@ -12,6 +12,7 @@ from speccli.config import LoadConfig
 from speccli.engine.backends import CausalLM, HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, Drafter, ModelDrafter, PromptLookupDrafter
+from speccli.engine.lookahead import LookaheadDrafter
 from speccli.engine.static_backend import StaticCausalLM, static_cache_problem
 from speccli.models.compat import check_tokenizers_compatible, shared_vocab
 from speccli.models.loading import LoadedModel, dtype_name, load_tokenizer, load_weights
@@ -20,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from speccli.generation.stream import Generator
 
 NGRAM_DRAFT = "ngram"
+LOOKAHEAD_DRAFT = "lookahead"
 NO_DRAFT = "none"
 
 
@@ -38,7 +40,7 @@ class Pipeline:
 
     @property
     def draft_label(self) -> str:
-        """The draft model's name, or the drafter's (`ngram`, `none`) when there is no model."""
+        """The draft model's name, or the drafter's (`ngram`, `lookahead`, `none`) when there is no model."""
         return self.draft.name if self.draft else self.drafter_name
 
     def generator(self, progress: Callable[[str], None] | None = None, recalibrate: bool = False) -> Generator:
@@ -76,7 +78,7 @@ def load_pipeline(
     draft_config: LoadConfig,
     progress: Callable[[str], None] | None = None,
 ) -> Pipeline:
-    """Load the target and (unless the draft is `ngram` or `none`) the draft model,
+    """Load the target and (unless the draft is `ngram`, `lookahead` or `none`) the draft model,
     refuse tokenizers that disagree, and build the decoder.
 
     Both tokenizers are loaded and compared before any weights, so that a mismatched
@@ -84,7 +86,7 @@ def load_pipeline(
     pending_target = load_tokenizer(target_name, target_config, progress=progress)
     key = draft_name.strip().lower()
     pending_draft = None
-    if key not in (NGRAM_DRAFT, NO_DRAFT):
+    if key not in (NGRAM_DRAFT, LOOKAHEAD_DRAFT, NO_DRAFT):
         pending_draft = load_tokenizer(draft_name, draft_config, progress=progress)
         check_tokenizers_compatible(pending_target.tokenizer, pending_draft.tokenizer)
 
@@ -94,6 +96,8 @@ def load_pipeline(
     drafter: Drafter | None
     if key == NGRAM_DRAFT:
         drafter = PromptLookupDrafter()
+    elif key == LOOKAHEAD_DRAFT:
+        drafter = LookaheadDrafter()
     elif pending_draft is None:
         drafter = None
     else:

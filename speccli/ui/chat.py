@@ -406,6 +406,7 @@ def run_chat(
     pipeline,
     *,
     k: int | str = "auto",
+    tree: bool = False,
     max_new_tokens: int = DEFAULT_MAX_TOKENS,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -435,7 +436,7 @@ def run_chat(
     stderr = sys.stderr if stderr is None else stderr
     try:
         settings = ChatSettings.of(
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, k=k, max_tokens=max_new_tokens
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, k=k, max_tokens=max_new_tokens, tree=tree
         )
     except SettingError as error:
         raise UsageError(str(error)) from None

@@ -159,6 +159,8 @@ def answer_line(stats: GenerationStats, interrupted: bool = False, has_drafter: 
             f"acceptance {_percent(stats.acceptance_rate)}",
             f"{fmt_optional(stats.tokens_per_step, '.2f')} tokens/step",
         ]
+        if stats.tree_steps:
+            parts.append(f"{fmt_optional(stats.mean_pass_size, '.1f')} tokens/pass (trees)")
     parts.append(f"first token {fmt_optional(stats.first_token_seconds, '.2f')} s")
     return " | ".join(parts)
 

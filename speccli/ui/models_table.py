@@ -11,7 +11,7 @@ from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, ModelListing,
 
 FOOTER = (
     "Also accepted: a Hugging Face hub id (owner/name), a local model folder, a .gguf file,"
-    " and for --draft: `ngram` (prompt lookup) or `none`."
+    " and for --draft: `ngram` (prompt lookup), `lookahead` (lookahead decoding) or `none`."
 )
 
 

@@ -88,6 +88,12 @@ def stats_summary(stats: GenerationStats) -> str:
     if stats.acceptance_by_position:
         by_position = " ".join(f"{100 * rate:.0f}%" for rate in stats.acceptance_by_position)
         lines.append(f"acceptance by draft position: {by_position}")
+    if stats.tree_steps:
+        lines.append(
+            f"trees: {stats.tree_steps} of {stats.steps} steps verified a tree;"
+            f" {fmt_optional(stats.mean_pass_size, '.1f')} tokens per target pass,"
+            f" accepted path {stats.accepted / stats.steps:.2f} tokens on average"
+        )
     lines.append(
         f"time: prefill {stats.prefill_seconds:.2f} s, draft {stats.draft_seconds:.2f} s,"
         f" verify {stats.verify_seconds:.2f} s; finished by {stats.finish_reason or 'interrupt'}"

@@ -1,0 +1,138 @@
+"""Lookahead decoding (speccli.engine.lookahead): the Jacobi window's shape and masks, how
+it advances and fills the n-gram pool, the choice of its size from measured costs, and
+greedy output identical to the target's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_llama, wrap, wrap_static
+from speccli.config import SamplingConfig, SpecConfig
+from speccli.engine.calibration import CostProfile
+from speccli.engine.decoder import SpeculativeDecoder
+from speccli.engine.events import StepEvent, TokenEvent
+from speccli.engine.lookahead import DEFAULT_SHAPE, LookaheadDrafter, LookaheadShape, choose_shape
+from speccli.engine.tree import ROOT, TokenTree, TreeShape
+from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, encode
+
+
+def drafter_with_levels(levels: list[list[int]], ngram: int = 3) -> LookaheadDrafter:
+    drafter = LookaheadDrafter(LookaheadShape(window=len(levels[0]), ngram=ngram, guesses=2))
+    drafter.levels = [list(row) for row in levels]
+    return drafter
+
+
+class TestWindow:
+    def test_each_token_sees_level_zero_up_to_its_column_and_its_own_column_above(self):
+        branch = drafter_with_levels([[1, 2, 3], [4, 5, 6]]).branch([9])
+        assert branch.tokens == [1, 2, 3, 4, 5, 6]
+        assert branch.offsets == [1, 2, 3, 2, 3, 4]
+        expected = torch.tensor(
+            [
+                [1, 0, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0, 0],
+                [1, 1, 1, 0, 0, 0],
+                [1, 0, 0, 1, 0, 0],  # level 1, column 0: level 0 column 0, itself
+                [1, 1, 0, 0, 1, 0],
+                [1, 1, 1, 0, 0, 1],
+            ],
+            dtype=torch.bool,
+        )
+        assert torch.equal(branch.visible, expected)
+
+    def test_an_empty_window_starts_from_the_context(self):
+        drafter = LookaheadDrafter(LookaheadShape(window=4, ngram=3, guesses=2))
+        assert drafter.branch([7, 8]).tokens == [7, 8, 7, 8]
+
+    def test_levels_fill_then_columns_become_ngrams_and_the_oldest_level_goes(self):
+        drafter = drafter_with_levels([[1, 2]], ngram=3)
+        drafter.advance([10, 11])  # one level held, N - 1 = 2 wanted: keep both
+        assert drafter.levels == [[1, 2], [10, 11]]
+        assert drafter.pool == {}
+        drafter.advance([0, 0, 20, 21])  # guesses for all 4 tokens; the newest level's are the last 2
+        assert drafter.levels == [[10, 11], [20, 21]]
+        assert {first: list(grams) for first, grams in drafter.pool.items()} == {1: [(10, 20)], 2: [(11, 21)]}
+
+    @pytest.mark.parametrize("backend", [wrap, wrap_static], ids=["dynamic-cache", "static-cache"])
+    def test_each_window_token_is_scored_as_the_sequence_it_sees(self, backend):
+        model = tiny_llama(40, seed=4, logit_scale=5.0)
+        context = [5, 6, 7, 8]
+        levels = [[11, 12, 13], [21, 22, 23]]
+        branch = drafter_with_levels(levels).branch(context)
+        tree = TokenTree([30, 31], [ROOT, 0])
+        lm = backend(model)
+        lm.forward(context[:-1])
+        cached = len(lm.cached_tokens)
+        fed = [context[-1], *tree.tokens, *branch.tokens]
+        positions = [cached + d for d in tree.fed_depths()] + [cached + o for o in branch.offsets]
+        logits = lm.forward_tree(fed, positions, branch.beside(tree.visibility()), cached)
+        for index in range(len(branch)):
+            level, column = divmod(index, 3)
+            sequence = levels[0][: column + 1] + [levels[m][column] for m in range(1, level + 1)]
+            reference = backend(model)
+            reference.forward(context[:-1])
+            chain = reference.forward([context[-1], *sequence])
+            torch.testing.assert_close(logits[len(tree) + 1 + index], chain[-1], atol=1e-5, rtol=1e-5)
+        # The tree's rows are untouched by the window.
+        reference = backend(model)
+        reference.forward(context[:-1])
+        torch.testing.assert_close(logits[: len(tree) + 1], reference.forward([context[-1], 30, 31]), atol=1e-5, rtol=1e-5)
+
+
+class TestPool:
+    def test_start_seeds_the_pool_with_the_prompts_ngrams_and_the_tree_offers_the_latest(self):
+        drafter = LookaheadDrafter(LookaheadShape(window=2, ngram=3, guesses=2))
+        drafter.start([1, 2, 3, 1, 2, 4, 1, 5, 6, 1])
+        tree = drafter.propose_tree([9, 1], TreeShape(max_depth=2, max_nodes=8), SamplingConfig(), None)
+        # n-grams after 1: (2, 3), (2, 4), (5, 6); the latest two, the latest first, merged.
+        assert (tree.tokens, tree.parents) == ([5, 6, 2, 4], [ROOT, 0, ROOT, 2])
+
+
+class TestShapeChoice:
+    def test_flat_costs_take_the_largest_measured_shape(self):
+        costs = {fed: 0.170 for fed in range(1, 18)}
+        assert choose_shape(costs) == LookaheadShape(5, 3, 3)
+
+    def test_a_jump_after_one_token_means_plain_decoding(self):
+        costs = {1: 0.404, **{fed: 1.0 for fed in range(2, 18)}}
+        assert choose_shape(costs) is None
+
+    def test_a_slowly_growing_curve_takes_the_largest_shape_it_affords(self):
+        costs = {fed: 0.2 * (1 + 0.025 * (fed - 1)) for fed in range(1, 18)}  # 17 tokens: 1.4x
+        assert choose_shape(costs) == LookaheadShape(4, 3, 2)  # 13 tokens: 1.3x
+
+    def test_without_measurements_the_default(self):
+        assert choose_shape(None) == DEFAULT_SHAPE
+
+
+@pytest.mark.parametrize("k", [2, 3, "auto"])
+@pytest.mark.parametrize("pair_index", [0, 1])
+def test_lookahead_equals_target_greedy(pairs, tokenizer, pair_index, k):
+    from test_decoder_greedy import target_greedy
+
+    pair = pairs[pair_index]
+    decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], LookaheadDrafter())
+    if k == "auto":  # flat measured costs: the largest shape
+        decoder.costs = CostProfile({fed: 0.1 for fed in range(1, 18)}, None)
+    accepted = 0
+    for prompt in PROMPTS:
+        ids = encode(tokenizer, prompt)
+        events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=MAX_NEW)))
+        assert emitted(events) == target_greedy(pair.target, ids), prompt
+        steps = [e for e in events if isinstance(e, StepEvent)]
+        # Every step carries the window, but a last one with room for a single token.
+        assert sum(e.tree and e.fed > 1 for e in steps) >= len(steps) - 1
+        accepted += sum(e.accepted for e in steps)
+    # Random models repeat themselves: the pool's n-grams were accepted.
+    assert accepted > 0
+
+
+def test_lookahead_falls_back_to_plain_decoding_where_no_shape_pays(pairs, tokenizer):
+    pair = pairs[0]
+    decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], LookaheadDrafter())
+    decoder.costs = CostProfile({1: 0.4, **{fed: 1.0 for fed in range(2, 18)}}, None)
+    events = list(decoder.generate(encode(tokenizer, "hello"), SamplingConfig(), SpecConfig(k="auto", max_new_tokens=8)))
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert all(e.fed == 1 and not e.tree for e in steps)
+    assert all(e.provenance.value == "target" for e in events if isinstance(e, TokenEvent))
