@@ -3,6 +3,8 @@
     python scripts/verify_greedy.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
         --dtype float32 --max-new-tokens 32 "def fib(n):" "def quicksort(arr):"
 
+`--tree` drafts token trees; `--draft lookahead` (or `ngram`) checks those drafters.
+
 Prints one line per prompt and draft length, and exits 1 on any difference. In bfloat16 a
 difference is reported with the target's gap between its top two logits at that position
 (a near-tie is rounding; a clear gap is a bug).
@@ -31,6 +33,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--k", default="1,4,8")
+    parser.add_argument("--tree", action="store_true", help="draft token trees (--draft lookahead always does)")
     args = parser.parse_args()
 
     config = LoadConfig(dtype=args.dtype)
@@ -53,7 +56,7 @@ def main() -> int:
         reference = reference[:cut]
         for k in (int(x) for x in args.k.split(",")):
             started = time.perf_counter()
-            generation = generator.stream(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=args.max_new_tokens)).run()
+            generation = generator.stream(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=args.max_new_tokens, tree=args.tree)).run()
             seconds = time.perf_counter() - started
             tokens = generation.token_ids
             acceptance = generation.stats.acceptance_rate or 0.0
@@ -68,6 +71,7 @@ def main() -> int:
                 detail = f" first difference at new token {position}; target top-2 logit gap there {float(top2[0] - top2[1]):.4f}"
             print(
                 f"{'OK  ' if same else 'DIFF'} k={k} {prompt!r}: {len(tokens)} tokens, acceptance {acceptance:.0%},"
+                f" {generation.stats.tokens_per_step or 0:.2f} tokens/step, {generation.stats.mean_pass_size or 0:.1f} tokens/pass,"
                 f" {seconds:.1f} s (target generate {plain_seconds:.1f} s){detail}"
             )
     print(repr(tokenizer.decode(reference)))

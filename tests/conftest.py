@@ -115,6 +115,18 @@ def isolated_env(home: Path, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def default_sigint() -> None:
+    """preexec_fn for a child that a test interrupts: Ctrl-C (SIGINT) back to its default.
+
+    A process started with SIGINT ignored (a background job of a non-interactive shell,
+    nohup, some CI runners) passes that on to every child, and a Python started so never
+    raises KeyboardInterrupt: the interrupt would be lost and the test would wait for its
+    timeout. A user's terminal starts specgen with the default, which is what is tested."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def perturbed_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:
     """A draft that mostly agrees with its target: the same weights plus noise."""
     torch.manual_seed(seed)

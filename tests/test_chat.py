@@ -17,6 +17,7 @@ from conftest import (
     ENDLESS_CONTEXT,
     ON_CPU,
     char_tokenizer,
+    default_sigint,
     isolated_env,
     never_ends,
     perturbed_copy,
@@ -623,7 +624,10 @@ def test_chat_in_a_real_terminal(endless_folders, tmp_path):
     # A fixed k: with k auto the first answer's draft lengths follow timings, and on a loaded
     # machine the calibration can make plain decoding look best (no coloured token to see).
     argv = chat_argv(endless_folders, 40) + ["--k", "4"]
-    child = pexpect.spawn(argv[0], argv[1:], cwd=str(REPO), env=child_env(tmp_path), encoding="utf-8", timeout=90, dimensions=(50, 200))
+    child = pexpect.spawn(
+        argv[0], argv[1:], cwd=str(REPO), env=child_env(tmp_path), encoding="utf-8", timeout=90, dimensions=(50, 200),
+        preexec_fn=default_sigint,
+    )
     try:
         child.expect_exact("/help for commands")
         child.expect_exact(">>>")

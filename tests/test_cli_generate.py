@@ -17,6 +17,7 @@ from conftest import (
     ENDLESS_CONTEXT,
     ON_CPU,
     char_tokenizer,
+    default_sigint,
     isolated_env,
     never_ends,
     perturbed_copy,
@@ -117,6 +118,7 @@ def test_ctrl_c_keeps_what_was_printed_and_exits_130(endless, tmp_path):
         [sys.executable, "-m", "speccli.cli", "generate", "hello", "--target", endless["target"], "-n", "100000", "-q", "--draft", "none", *ON_CPU, "--dtype", "float32"],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
         env=isolated_env(tmp_path), bufsize=0,  # unbuffered: reading 8 bytes takes no more from the pipe
+        preexec_fn=default_sigint,
     )
     try:
         import fcntl

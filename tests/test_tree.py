@@ -175,3 +175,24 @@ class TestNodeCount:
 
     def test_without_costs_takes_the_budget(self):
         assert best_node_count([0.9, 0.5, 0.3], TreeShape(max_depth=2, max_nodes=2), draft_spent=0.0) == 2
+
+
+def test_the_draft_keeps_the_accepted_path_it_was_fed(pairs, tokenizer):
+    from speccli.config import SpecConfig
+    from speccli.engine.decoder import SpeculativeDecoder
+    from speccli.engine.drafters import ModelDrafter
+    from speccli.engine.events import TokenEvent
+
+    pair = pairs[0]
+    draft_lm = wrap(pair.draft)
+    drafter = ModelDrafter(draft_lm, len(tokenizer))
+    decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [], drafter)
+    ids = tokenizer("hello world", add_special_tokens=False)["input_ids"]
+    events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=4, max_new_tokens=24, tree=True)))
+    context = ids + [e.token_id for e in events if isinstance(e, TokenEvent)]
+    cached = list(draft_lm.cached_tokens)
+    # Past the prompt: accepted paths stayed instead of being fed again; and only context.
+    assert len(ids) < len(cached) <= len(context) and cached == context[: len(cached)]
+    fresh = wrap(pair.draft)
+    fresh.forward(cached)
+    torch.testing.assert_close(draft_lm.forward([7]), fresh.forward([7]), atol=1e-5, rtol=1e-5)

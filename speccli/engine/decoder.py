@@ -336,7 +336,9 @@ class SpeculativeDecoder:
         else:
             verdict = verify_tree_sampled(warp(logits, sampling), tree, generator)
         self.target.keep(cached, kept_offsets(tree, verdict.path))
-        if self.drafter is not None:
+        if hasattr(self.drafter, "settle_tree"):
+            self.drafter.settle_tree(verdict.path)
+        else:
             self.drafter.rollback(len(context) + len(verdict.path))
         tokens = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
         last = Provenance.RESAMPLED if verdict.resampled else Provenance.BONUS

@@ -17,7 +17,7 @@ from speccli.engine.backends import CausalLM, common_prefix_length
 from speccli.engine.coupling import Noise, gumbel_argmax
 from speccli.engine.sampling import sample, warp
 from speccli.engine.tree import TokenTree, TreeShape
-from speccli.engine.tree_drafters import grow_model_tree, trie
+from speccli.engine.tree_drafters import GrownTree, grow_model_tree, trie
 
 # Earlier occurrences of an n-gram prompt lookup remembers (the latest ones): each can
 # offer a branch of a tree.
@@ -115,6 +115,7 @@ class ModelDrafter:
         # Drafting stops after a token the draft itself gave less than this probability:
         # the tokens after it would rarely survive, and each costs a draft pass.
         self.stop_confidence = stop_confidence
+        self._grown: GrownTree | None = None
 
     def readable(self, ids: Sequence[int]) -> list[int]:
         """The ids as the draft is fed them (an id it may not know becomes `substitute_id`)."""
@@ -184,10 +185,30 @@ class ModelDrafter:
         noise: Noise | None = None,
     ) -> TokenTree:
         """A tree of candidates, branching where the draft is unsure (see
-        speccli.engine.tree_drafters); its cache holds the context only afterwards."""
-        return grow_model_tree(self, context, shape, sampling, generator, noise)
+        speccli.engine.tree_drafters). The draft's cache holds the nodes it was fed until
+        `settle_tree` keeps the accepted path."""
+        self._grown = grow_model_tree(self, context, shape, sampling, generator, noise)
+        return self._grown.tree
+
+    def settle_tree(self, path: Sequence[int]) -> None:
+        """The target accepted `path` of the last tree: keep what the draft was fed of it
+        (a prefix: the expanded nodes), forget the rest, so that the next step does not
+        feed the draft those tokens again."""
+        grown, self._grown = self._grown, None
+        if grown is None:
+            return
+        offsets = []
+        for node in path:
+            if node not in grown.cached:
+                break
+            offsets.append(grown.cached[node])
+        self.model.keep(grown.base, offsets)
 
     def rollback(self, length: int) -> None:
+        if self._grown is not None:
+            # A tree step that was not settled (interrupted): its nodes are not context.
+            self.model.rollback(min(self._grown.base, len(self.model.cached_tokens)))
+            self._grown = None
         self.model.rollback(min(length, len(self.model.cached_tokens)))
 
 

@@ -15,6 +15,7 @@ into a trie.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -62,6 +63,17 @@ def _candidates(
     return torch.topk(scores, count).indices.tolist()
 
 
+@dataclass(frozen=True)
+class GrownTree:
+    """A drafted tree, and where the draft's cache holds its nodes: `cached[node]` is the
+    offset past `base` of each node the draft was fed (the expanded ones), so that the
+    accepted path can stay in the draft's cache."""
+
+    tree: TokenTree
+    base: int
+    cached: dict[int, int]
+
+
 def _children_counts(
     dists: Sequence[tuple[int, torch.Tensor, float]], shape: TreeShape, nodes: int, expected: float, draft_seconds: float
 ) -> list[int]:
@@ -95,7 +107,7 @@ def grow_model_tree(
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     noise: Noise | None = None,
-) -> TokenTree:
+) -> GrownTree:
     """Greedy and coupled trees keep, at the end, the candidates of highest path
     probability. A tree sampled without a seed may not: keeping a drawn token because of
     its own value would bias what is kept towards the draft's likely tokens, and the rule
@@ -104,7 +116,7 @@ def grow_model_tree(
     every drawn child stays (which nodes get children may depend on anything drawn before
     them: the rule only looks at children once their parent is accepted)."""
     if shape.max_depth <= 0 or shape.max_nodes <= 0:
-        return TokenTree([], [])
+        return GrownTree(TokenTree([], []), len(drafter.model.cached_tokens), {})
     started = time.perf_counter()
     sampled = not sampling.greedy and noise is None
     model = drafter.model
@@ -164,7 +176,6 @@ def grow_model_tree(
         positions = [base - 1 + depth] * len(expand)
         rows = model.forward_tree(drafter.readable([tokens[n] for n in expand]), positions, visible, base)
         frontier = list(zip(expand, rows))
-    model.rollback(base)
 
     if sampled:
         kept = list(range(len(tokens)))
@@ -176,13 +187,15 @@ def grow_model_tree(
         kept = sorted(order[:count])
     renumber = {ROOT: ROOT, **{node: i for i, node in enumerate(kept)}}
     excluded = {renumber[n]: drawn_before[n] for n in kept} if dists else {}
-    return TokenTree(
+    tree = TokenTree(
         [tokens[n] for n in kept],
         [renumber[parents[n]] for n in kept],
         torch.stack(dists) if dists else None,
         {renumber[p]: r for p, r in dist_rows.items() if p in renumber},
         excluded,
     )
+    cached = {renumber[n]: offset for n, offset in window.items() if n in renumber}
+    return GrownTree(tree, base, cached)
 
 
 def trie(continuations: Sequence[Sequence[int]], max_nodes: int) -> TokenTree:
