@@ -34,7 +34,7 @@ class TestShape:
         assert SHAPED.children == {ROOT: [0, 4], 0: [1, 2], 1: [3], 2: [], 3: [], 4: []}
         assert SHAPED.path_to(3) == [0, 1, 3]
         assert SHAPED.fed_depths() == [0, 1, 2, 2, 3, 1]
-        assert kept_offsets(SHAPED, [0, 1, 3]) == [0, 1, 2, 4]
+        assert kept_offsets([0, 1, 3]) == [0, 1, 2, 4]
 
     def test_each_fed_token_sees_itself_and_its_ancestors_only(self):
         expected = torch.tensor(
@@ -88,7 +88,7 @@ class TestBackends:
             chain = reference.forward([context[-1], *(SHAPED.tokens[n] for n in SHAPED.path_to(node))])
             torch.testing.assert_close(logits[node + 1], chain[-1], atol=1e-5, rtol=1e-5)
 
-        lm.keep(cached, kept_offsets(SHAPED, [0, 1, 3]))
+        lm.keep(cached, kept_offsets([0, 1, 3]))
         assert list(lm.cached_tokens) == [5, 6, 7, 8, 9, 10, 11, 13]
         after = lm.forward([20, 21])
         fresh = backend(model)

@@ -335,7 +335,7 @@ class SpeculativeDecoder:
             verdict = verify_tree_greedy(perturbed(warp(logits, sampling), rows), tree)
         else:
             verdict = verify_tree_sampled(warp(logits, sampling), tree, generator)
-        self.target.keep(cached, kept_offsets(tree, verdict.path))
+        self.target.keep(cached, kept_offsets(verdict.path))
         if hasattr(self.drafter, "settle_tree"):
             self.drafter.settle_tree(verdict.path)
         else:

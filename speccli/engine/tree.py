@@ -193,7 +193,7 @@ def verify_tree_sampled(p: torch.Tensor, tree: TokenTree, generator: torch.Gener
         node = accepted
 
 
-def kept_offsets(tree: TokenTree, path: Sequence[int]) -> list[int]:
+def kept_offsets(path: Sequence[int]) -> list[int]:
     """Offsets among the fed tokens of what the cache keeps: the pending token and the path."""
     return [0, *(node + 1 for node in path)]
 
