@@ -477,7 +477,7 @@ def test_interrupted_run_keeps_the_rows_so_far(pairs, tokenizer):
 def fixed_run(tokens: int, seconds: float, drafted: int = 0, accepted: int = 0, steps: int | None = None) -> RunResult:
     stats = GenerationStats(
         prompt_tokens=5, new_tokens=tokens, steps=steps or tokens, drafted=drafted, accepted=accepted,
-        verify_seconds=seconds, total_seconds=seconds + 0.5, finish_reason="length",
+        fed=drafted + (steps or tokens), verify_seconds=seconds, total_seconds=seconds + 0.5, finish_reason="length",
     )
     if drafted:
         stats.drafted_at, stats.accepted_at = [drafted // 2, drafted // 2], [accepted // 2, accepted - accepted // 2]
@@ -504,6 +504,7 @@ def test_summaries_on_fixed_numbers():
     assert p.speedup == Spread(n=2, median=1.5, mean=1.5, min=1.0, max=2.0, stdev=statistics.stdev([2.0, 1.0]))
     assert p.plain_tokens_per_second == 10.0 and p.spec_tokens_per_second == 20 / 1.5
     assert p.acceptance_rate == 8 / 16 and p.tokens_per_step == 20 / 13
+    assert p.mean_pass_size == (16 + 13) / 13
     assert q.speedup == Spread(n=1, median=4.0, mean=4.0, min=4.0, max=4.0, stdev=None)
     assert (q.rows, q.completed, q.failures, q.errors) == (2, 1, 1, 1)
     overall = results.overall
@@ -526,6 +527,7 @@ def test_csv_report():
     assert first["prompt"] == "p|1" and first["k"] == "2" and first["speedup"] == "2.0"
     assert first["plain_tokens_per_second"] == "10.0" and first["spec_tokens_per_second"] == "20.0"
     assert first["acceptance_rate"] == "0.75" and first["acceptance_by_position"] == "0.7500 0.7500"
+    assert first["mean_pass_size"] == "2.6" and first["tree_steps"] == "0"
     assert first["identical"] == "true" and first["error"] == ""
     failed = dict(zip(CSV_COLUMNS, rows[4]))
     assert failed["speedup"] == "" and failed["error"] == "speculative decoding failed: RuntimeError: boom"
@@ -544,7 +546,8 @@ def test_markdown_report():
     lines = text.splitlines()
     assert lines[0] == "| " + " | ".join(SUMMARY_COLUMNS) + " |"
     assert lines[1].startswith("|---|---|---:|")
-    assert lines[2].startswith("| p\\|1 | code | 2 | 10.00 | 13.33 | 1.50x | 1.00-2.00 | 50.0% |")
+    assert lines[2].startswith("| p\\|1 | code | 2 | 10.00 | 13.33 | 1.50x | 1.00-2.00 | 50.0% | 1.54 | ")
+    assert " | 2.2 | " in lines[2]  # pass size: (16 drafted + 13 steps) / 13 steps
     assert lines[3].startswith("| q | - | 2 | 10.00 | 40.00 | 4.00x | - |")
     assert lines[4].startswith("| **all prompts** | **-** | **2** |")
     assert "- q k=2 repeat 2: speculative decoding failed: RuntimeError: boom" in lines

@@ -259,6 +259,11 @@ class BenchSummary:
         return self.spec.predicted_tokens_per_step
 
     @property
+    def mean_pass_size(self) -> float | None:
+        """Tokens fed to the target per verification pass: drafted + 1 for chains, nodes + 1 for trees."""
+        return self.spec.mean_pass_size
+
+    @property
     def acceptance_by_position(self) -> list[float]:
         return self.spec.acceptance_by_position
 
@@ -282,6 +287,8 @@ class BenchSummary:
             "acceptance_rate": _round(self.acceptance_rate),
             "tokens_per_step": _round(self.tokens_per_step),
             "predicted_tokens_per_step": _round(self.predicted_tokens_per_step),
+            "mean_pass_size": _round(self.mean_pass_size),
+            "tree_steps": self.spec.tree_steps,
             "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
         }
 

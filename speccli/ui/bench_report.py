@@ -38,6 +38,8 @@ CSV_COLUMNS = (
     "acceptance_rate",
     "tokens_per_step",
     "predicted_tokens_per_step",
+    "mean_pass_size",
+    "tree_steps",
     "acceptance_by_position",
     "identical",
     "mismatch_position",
@@ -55,6 +57,7 @@ SUMMARY_COLUMNS = (
     "acceptance",
     "tokens/step",
     "predicted",
+    "pass size",
     "acceptance by position",
     "errors",
 )
@@ -113,6 +116,7 @@ def summary_cells(s: BenchSummary) -> list[str]:
         _pct(s.acceptance_rate),
         _num(s.tokens_per_step, ".2f"),
         _num(s.predicted_tokens_per_step, ".2f"),
+        _num(s.mean_pass_size, ".1f"),
         _positions(s.acceptance_by_position),
         _errors(s),
     ]
@@ -216,6 +220,8 @@ def to_csv(results: BenchResults) -> str:
             "acceptance_rate": _r(st.acceptance_rate if st else None, 4),
             "tokens_per_step": _r(st.tokens_per_step if st else None, 4),
             "predicted_tokens_per_step": _r(st.predicted_tokens_per_step if st else None, 4),
+            "mean_pass_size": _r(st.mean_pass_size if st else None, 4),
+            "tree_steps": st.tree_steps if st else None,
             "acceptance_by_position": " ".join(f"{x:.4f}" for x in st.acceptance_by_position) if st else None,
             "identical": row.identical,
             "mismatch_position": row.mismatch_position,
