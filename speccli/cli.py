@@ -117,7 +117,7 @@ def _run_guarded(body: Callable[[], int]) -> None:
 
 
 TARGET_HELP = "Target model: an alias (see `specgen models`), a Hugging Face hub id, a local folder, or a .gguf file."
-DRAFT_HELP = "Draft model (same forms as --target), `ngram` for prompt lookup or `lookahead` for lookahead decoding (no draft model: guesses from the text and from the target itself), or `none` for plain target decoding."
+DRAFT_HELP = "Draft model (same forms as --target), `ngram` for prompt lookup or `lookahead` for lookahead decoding (no draft model: guesses from the text and from the target itself), `medusa[:PATH]` or `eagle[:PATH]` for heads trained on the target's own hidden states (`specgen train`; found in the cache without PATH), or `none` for plain target decoding."
 
 
 
@@ -368,6 +368,102 @@ def models(
             models_table.print_json(listings)
         else:
             models_table.print_table(listings)
+        return 0
+
+    _run_guarded(body)
+
+
+HEAD_KINDS = ("medusa", "eagle")
+
+
+@app.command()
+def train(
+    kind: str = typer.Argument(..., help="medusa (K heads on the target's last hidden state) or eagle (one decoder layer drafting in feature space)."),
+    target: TargetOpt = None,
+    data: list[str] = typer.Option([], "--data", help="Training text: files or folders of text or code, or .jsonl (messages, prompt/response, instruction/output or text). Repeatable. Default: the Python standard library's sources and chat turns made from them (no network)."),
+    tokens: int = typer.Option(60_000, "--tokens", help="Tokens of text to train on (5% held out for accuracy). The target's pass over them is most of the time on a CPU."),
+    out: Optional[str] = typer.Option(None, "--out", help="Where to save the heads (a folder or a .safetensors file). Default: the cache, where --draft medusa|eagle finds them."),
+    epochs: float = typer.Option(2.0, "--epochs", help="Passes over the training text."),
+    heads: int = typer.Option(4, "--heads", help="Medusa: number of heads (head i guesses the token i+1 past the next)."),
+    vocab: int = typer.Option(8192, "--vocab", help="Draft vocabulary: the heads propose only the most frequent ids of the text (the output layer is most of a head's cost)."),
+    batch: int = typer.Option(8, "--batch", help="Segments of 256 tokens per optimizer step."),
+    learning_rate: Optional[float] = typer.Option(None, "--lr", help="Learning rate (default: 1e-3 for medusa, 3e-4 for eagle)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for initialisation and data order."),
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    as_json: bool = typer.Option(False, "--json", help="Print the training record as JSON on stdout."),
+    quiet: QuietOpt = False,
+) -> None:
+    """Train Medusa heads or an EAGLE head for a target, on this machine.
+
+    The frozen target reads the text once (its features are cached, so a rerun or the other
+    kind skips this); the heads learn to predict what the target itself would say. Ctrl-C
+    saves a checkpoint: the same command resumes. Prints held-out top-1 accuracy and where
+    the heads were saved.
+    """
+    options = ModelOptions(
+        target or _default_target(), "none", device, dtype, "none", None, None, None, trust_remote_code,
+    )
+
+    def body() -> int:
+        import json
+        from pathlib import Path
+
+        progress = stderr_progress(quiet)
+        from speccli.commands.train_heads import TrainEvents, TrainRequest, accuracy_line, autocast_bf16, default_config, train_heads
+        from speccli.models import offline
+        from speccli.models.loading import load_model
+        from speccli.ui.progress import TrainProgressDisplay
+
+        name = kind.strip().lower()
+        if name not in HEAD_KINDS:
+            raise UsageError(f"unknown kind of heads {kind!r}", f"use one of: {', '.join(HEAD_KINDS)}")
+        for number, value in (("--tokens", tokens), ("--heads", heads), ("--vocab", vocab), ("--batch", batch)):
+            if value < 1:
+                raise UsageError(f"{number} must be at least 1, got {value}")
+        if epochs <= 0:
+            raise UsageError(f"--epochs must be positive, got {epochs}")
+        target_config, _ = options.configs()
+        loaded = load_model(options.target, target_config, progress)
+        config = default_config(
+            name, heads=heads, vocab=vocab, epochs=epochs, batch_segments=batch,
+            learning_rate=learning_rate, seed=seed, bf16=autocast_bf16(loaded),
+        )
+        request = TrainRequest(config, tokens, tuple(Path(d) for d in data), Path(out) if out else None)
+        display = TrainProgressDisplay(progress, bar=not quiet and sys.stderr.isatty())
+        with display:
+            outcome = train_heads(
+                loaded, request, offline.default_cache_dir(),
+                TrainEvents(display.say, display.features, display.steps),
+            )
+        record = outcome.training
+        if as_json:
+            print(json.dumps({"kind": name, "path": str(outcome.path), "target": loaded.name, **record}, indent=2))
+        progress(accuracy_line(name, record["accuracy"]) + f" (draft vocabulary covers {100 * record['vocab_coverage']:.1f}% of held-out tokens)")
+        progress(f"saved {outcome.path} in {record['seconds']:.0f} s; use it with --draft {name}" + ("" if out is None else f":{outcome.path}"))
+        return 0
+
+    _run_guarded(body)
+
+
+@app.command(name="heads")
+def heads_list(
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table."),
+) -> None:
+    """List the Medusa and EAGLE heads trained on this machine (`specgen train`): the target,
+    size, training tokens and held-out accuracy."""
+
+    def body() -> int:
+        from speccli.heads.listing import find_heads
+        from speccli.models import offline
+        from speccli.ui import models_table
+
+        found = find_heads(offline.default_cache_dir())
+        if as_json:
+            models_table.print_heads_json(found)
+        else:
+            models_table.print_heads_table(found)
         return 0
 
     _run_guarded(body)

@@ -54,6 +54,21 @@ class CausalLM(Protocol):
         ...
 
 
+class FeatureLM(CausalLM, Protocol):
+    """A CausalLM that can also hand out its last hidden states (the features the output
+    layer turns into logits), for drafters that draft from them (Medusa, EAGLE)."""
+
+    def capture_hidden(self) -> None:
+        """From now on, keep each pass's last hidden states (none are kept by default)."""
+        ...
+
+    @property
+    def last_hidden(self) -> torch.Tensor:
+        """[n, hidden] for every token fed by the latest forward / forward_tree (prompts
+        included, whatever `all_logits` said)."""
+        ...
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -88,6 +103,30 @@ class TransformersLM:
         self._tokens: list[int] = []
         # Wall time spent inside forward(), for measuring the engine's own overhead.
         self.forward_seconds = 0.0
+        self._hidden_hook = None
+        self._hidden_parts: list[torch.Tensor] = []
+
+    def capture_hidden(self) -> None:
+        """Keep each pass's last hidden states: the base model's output, which the output
+        layer reads (a forward hook on it, so no second pass and no change to the logits)."""
+        if self._hidden_hook is not None:
+            return
+        base = getattr(self.model, "base_model", None)
+        if base is None or base is self.model:
+            raise ValueError(f"{type(self.model).__name__} has no base model whose hidden states could be read")
+
+        def on_output(module, args, output) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+            self._hidden_parts.append(hidden[0])
+
+        self._hidden_hook = base.register_forward_hook(on_output)
+
+    @property
+    def last_hidden(self) -> torch.Tensor:
+        if self._hidden_hook is None:
+            raise RuntimeError("hidden states are not kept: call capture_hidden() first")
+        parts = self._hidden_parts
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @property
     def vocab_size(self) -> int:
@@ -185,6 +224,7 @@ class HFCausalLM(TransformersLM):
 
     def _pass(self, token_ids: Sequence[int], kwargs: dict, all_logits: bool) -> torch.Tensor:
         started = time.perf_counter()
+        self._hidden_parts = []
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)
         kwargs = {self._cache_kwarg: self._cache, "use_cache": True, **kwargs}
         try:

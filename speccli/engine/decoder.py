@@ -19,6 +19,7 @@ from speccli.engine.backends import CausalLM, common_prefix_length
 from speccli.engine.calibration import CostProfile
 from speccli.engine.coupling import PositionNoise, perturbed, verify_coupled
 from speccli.engine.drafters import Draft, Drafter
+from speccli.engine.head_drafters import FeatureDrafter
 from speccli.engine.events import (
     Event,
     FinishEvent,
@@ -133,6 +134,12 @@ class SpeculativeDecoder:
         # draft's acceptance carries over from one prompt (or chat turn) to the next.
         self._adaptive: AdaptiveDraftLength | None = None
         self._adaptive_from: tuple = ()
+        if self._feature_drafter() is not None:
+            target.capture_hidden()
+
+    def _feature_drafter(self) -> FeatureDrafter | None:
+        """The drafter, when it drafts from the target's features (Medusa, EAGLE)."""
+        return self.drafter if getattr(self.drafter, "reads_features", False) else None
 
     def generate(
         self,
@@ -163,6 +170,8 @@ class SpeculativeDecoder:
         reused = self._prefill(context)
         if self.drafter is not None:
             self.drafter.start(context)
+        if self._feature_drafter() is not None and reused < len(context) - 1:
+            self.drafter.observe_features(reused, self.target.last_hidden)
         yield PrefillEvent(len(context), reused, time.perf_counter() - started)
 
         generator = _make_generator(self.target.device, sampling.seed)
@@ -274,6 +283,8 @@ class SpeculativeDecoder:
         verify_started = time.perf_counter()
         verdict = self._verify(context[-1], draft, sampling, generator, noise, next_position)
         self._settle(len(context) + verdict.accepted)
+        if self._feature_drafter() is not None:
+            self.drafter.observe_features(len(context) - 1, self.target.last_hidden[: verdict.accepted + 1])
         tokens = draft.tokens[: verdict.accepted] + [verdict.next_token]
         return StepOutcome(
             tokens=tokens,
@@ -335,7 +346,10 @@ class SpeculativeDecoder:
             verdict = verify_tree_greedy(perturbed(warp(logits, sampling), rows), tree)
         else:
             verdict = verify_tree_sampled(warp(logits, sampling), tree, generator)
-        self.target.keep(cached, kept_offsets(verdict.path))
+        kept = kept_offsets(verdict.path)
+        self.target.keep(cached, kept)
+        if self._feature_drafter() is not None:
+            self.drafter.observe_features(len(context) - 1, self.target.last_hidden[kept])
         if hasattr(self.drafter, "settle_tree"):
             self.drafter.settle_tree(verdict.path)
         else:
@@ -388,6 +402,9 @@ class SpeculativeDecoder:
         previous generation left there. Returns the number of tokens reused."""
         settled = context[:-1]
         reused = common_prefix_length(self.target.cached_tokens, settled)
+        if self._feature_drafter() is not None:
+            # Features are only computed by a pass: feed again what the drafter lacks.
+            reused = min(reused, self.drafter.features_from(context))
         self.target.rollback(reused)
         if reused < len(settled):
             self.target.forward(settled[reused:], all_logits=False)

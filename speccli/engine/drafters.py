@@ -61,6 +61,20 @@ class Drafter(Protocol):
         ...
 
 
+def draw(
+    row: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None, noise: torch.Tensor | None
+) -> tuple[int, torch.Tensor | None, float]:
+    """One draft token from logits `row` [V_target]: (token, the warped q it was drawn
+    from or None when greedy, the draft's own probability of it). With `noise`, the
+    coupled draw argmax(log q + noise) (speccli.engine.coupling)."""
+    if sampling.greedy:
+        token = int(torch.argmax(row))
+        return token, None, float(torch.exp(row[token] - torch.logsumexp(row, dim=-1)))
+    q = warp(row, sampling)
+    token = int(sample(q, generator) if noise is None else gumbel_argmax(q, noise))
+    return token, q, float(q[token])
+
+
 def align_vocab(logits: torch.Tensor, vocab_size: int, usable: int | None = None) -> torch.Tensor:
     """Bring a draft model's logits to the target's vocabulary size, keeping only the
     first ``usable`` ids (default: all the draft has) and giving the rest -inf.
@@ -162,13 +176,8 @@ class ModelDrafter:
             row = self.aligned(logits)
             if generator is not None:
                 row = row.to(generator.device)
-            if sampling.greedy:
-                token = int(torch.argmax(row))
-                confidence = float(torch.exp(row[token] - torch.logsumexp(row, dim=-1)))
-            else:
-                q = warp(row, sampling)
-                token = int(sample(q, generator) if noise is None else gumbel_argmax(q, noise(i)))
-                confidence = float(q[token])
+            token, q, confidence = draw(row, sampling, generator, None if noise is None else noise(i))
+            if q is not None:
                 probs.append(q)
             tokens.append(token)
             if i + 1 == k or confidence < self.stop_confidence:

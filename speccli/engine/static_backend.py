@@ -100,7 +100,9 @@ class StaticCausalLM(TransformersLM):
         self.graphs_enabled = bool(graphs) and self._device.type == "cuda"
         self.graphs_error: str | None = None
         self._cache = self._new_cache(self._capacity)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Per fed size: the graph, its logits buffer, and its hidden-states buffer (None
+        # when it was captured before hidden states were asked for).
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self._pool = None
         self._ids_buffer: torch.Tensor | None = None
         self._positions_buffer: torch.Tensor | None = None
@@ -117,6 +119,11 @@ class StaticCausalLM(TransformersLM):
         """The fed sizes captured as CUDA graphs so far."""
         return sorted(self._graphs)
 
+    def capture_hidden(self) -> None:
+        if self._hidden_hook is None:
+            super().capture_hidden()
+            self._drop_graphs()  # captured without the hidden states' buffer
+
     def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
         if not token_ids:
             raise ValueError("forward() needs at least one token")
@@ -124,6 +131,7 @@ class StaticCausalLM(TransformersLM):
         token_ids = list(token_ids)
         start = len(self._tokens)
         self.reserve(start + len(token_ids))
+        self._hidden_parts = []
         try:
             with torch.inference_mode():
                 if self.graphs_enabled and len(token_ids) <= self.max_fed:
@@ -152,6 +160,7 @@ class StaticCausalLM(TransformersLM):
             raise ValueError("forward_tree() needs one position per token, and a token")
         started = time.perf_counter()
         self.reserve(start + n)
+        self._hidden_parts = []
         try:
             with torch.inference_mode():
                 ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)
@@ -305,14 +314,16 @@ class StaticCausalLM(TransformersLM):
                 self.graphs_enabled = False
                 self._drop_graphs()
                 self._set_length(start)
+                self._hidden_parts = []
                 return self._eager_chunks(token_ids, start, all_logits=True)
-        graph, output = captured
+        graph, output, hidden = captured
         with torch.cuda.device(self._device):
             graph.replay()
-        # The output buffer is overwritten by the next replay: copy it out (float32).
+        # The output buffers are overwritten by the next replay: copy them out.
+        self._hidden_parts = [] if hidden is None else [hidden.clone()]
         return output[0].to(torch.float32, copy=True)
 
-    def _capture(self, n: int, start: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, n: int, start: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         """Capture one pass of n tokens. The warm-up passes and the capture write at the
         current position (past the cached tokens: harmless) and advance the write position;
         it is put back to `start` before the graph is first replayed."""
@@ -330,9 +341,12 @@ class StaticCausalLM(TransformersLM):
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        self._hidden_parts = []
         with torch.cuda.graph(graph, pool=self._pool):
             output = self._run(self._cache, ids, positions, all_logits=True)
+        # The hook saw the graph's own hidden-states tensor: replays refill it in place.
+        hidden = self._hidden_parts[-1] if self._hidden_parts else None
         # Capturing records the pass without running it; replay runs it from `start`.
         self._set_length(start)
-        self._graphs[n] = (graph, output)
-        return graph, output
+        self._graphs[n] = (graph, output, hidden)
+        return graph, output, hidden

@@ -4,6 +4,7 @@ and put behind one decoder, and the Generator every surface generates through.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -23,6 +24,15 @@ if TYPE_CHECKING:  # pragma: no cover
 NGRAM_DRAFT = "ngram"
 LOOKAHEAD_DRAFT = "lookahead"
 NO_DRAFT = "none"
+HEAD_DRAFTS = ("medusa", "eagle")
+
+
+def head_draft(name: str) -> tuple[str, Path | None] | None:
+    """(kind, path or None) for `medusa[:PATH]` / `eagle[:PATH]`; None for any other draft."""
+    kind, colon, path = name.strip().partition(":")
+    if kind.lower() not in HEAD_DRAFTS or (colon and not path):
+        return None
+    return kind.lower(), Path(path).expanduser() if path else None
 
 
 @dataclass
@@ -85,8 +95,9 @@ def load_pipeline(
     draft is refused in seconds."""
     pending_target = load_tokenizer(target_name, target_config, progress=progress)
     key = draft_name.strip().lower()
+    heads = head_draft(draft_name)
     pending_draft = None
-    if key not in (NGRAM_DRAFT, LOOKAHEAD_DRAFT, NO_DRAFT):
+    if key not in (NGRAM_DRAFT, LOOKAHEAD_DRAFT, NO_DRAFT) and heads is None:
         pending_draft = load_tokenizer(draft_name, draft_config, progress=progress)
         check_tokenizers_compatible(pending_target.tokenizer, pending_draft.tokenizer)
 
@@ -98,6 +109,8 @@ def load_pipeline(
         drafter = PromptLookupDrafter()
     elif key == LOOKAHEAD_DRAFT:
         drafter = LookaheadDrafter()
+    elif heads is not None:
+        drafter = head_drafter(target, *heads, progress=progress)
     elif pending_draft is None:
         drafter = None
     else:
@@ -150,3 +163,35 @@ def model_drafter(
         shared_vocab=shared.size,
         substitute_id=shared.substitute_id,
     )
+
+
+def head_drafter(
+    target: LoadedModel, kind: str, path: Path | None = None, progress: Callable[[str], None] | None = None,
+) -> Drafter:
+    """A Medusa or EAGLE drafter for the loaded target, from `path` or from where `specgen
+    train` saves heads for it. Heads trained for another target are refused (HeadsMismatch)."""
+    from speccli.engine.head_drafters import EagleDrafter, MedusaDrafter
+    from speccli.heads.store import HeadsMismatch, default_heads_path, load_heads
+    from speccli.models import offline
+
+    if path is None:
+        path = default_heads_path(offline.default_cache_dir(), target.name, kind)
+        if not path.is_file():
+            raise HeadsMismatch(
+                f"no {kind} heads trained for {target.name} (looked in {path})",
+                hint=f"train them: specgen train {kind} --target {target.name}   (or give --draft {kind}:PATH)",
+            )
+    heads = load_heads(path, target.model, target.name, kind)
+    if progress is not None:
+        accuracy = heads.training.get("accuracy") or []
+        shown = ", ".join(f"{100 * a:.0f}%" for a in accuracy) or "not measured"
+        progress(f"{kind} heads from {path} (trained on {heads.training.get('tokens', '?')} tokens; held-out top-1 {shown})")
+    model = target.model
+    embeddings = model.get_input_embeddings()
+    dtype = embeddings.weight.dtype if embeddings.weight.dtype.is_floating_point else torch.float32
+    device = embeddings.weight.device
+    heads.module.to(device)
+    if kind == "medusa":
+        return MedusaDrafter(heads.module, heads.vocab, dtype)
+    rows = model.get_output_embeddings().weight.detach()[heads.vocab.ids.to(device)]
+    return EagleDrafter(heads.module, heads.vocab, embeddings, rows, DEFAULT_STOP_CONFIDENCE, dtype)

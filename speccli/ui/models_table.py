@@ -11,7 +11,8 @@ from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, ModelListing,
 
 FOOTER = (
     "Also accepted: a Hugging Face hub id (owner/name), a local model folder, a .gguf file,"
-    " and for --draft: `ngram` (prompt lookup), `lookahead` (lookahead decoding) or `none`."
+    " and for --draft: `ngram` (prompt lookup), `lookahead` (lookahead decoding), `medusa` or `eagle`"
+    " (heads trained with `specgen train`; see `specgen heads`) or `none`."
 )
 
 
@@ -33,3 +34,28 @@ def print_table(listings: list[ModelListing], stream: TextIO | None = None) -> N
     console = Console(file=stream, width=None if stream.isatty() else 200)
     console.print(table)
     console.print(FOOTER)
+
+
+def print_heads_json(listings, stream: TextIO | None = None) -> None:
+    print(json.dumps([asdict(item) for item in listings], ensure_ascii=False, indent=2), file=stream or sys.stdout)
+
+
+def print_heads_table(listings, stream: TextIO | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    stream = stream or sys.stdout
+    console = Console(file=stream, width=None if stream.isatty() else 200)
+    if not listings:
+        console.print("no heads trained yet: specgen train medusa|eagle --target MODEL")
+        return
+    table = Table(title="specgen heads", title_justify="left")
+    for column in ("kind", "target", "size", "tokens", "vocab", "held-out top-1", "trained", "file"):
+        table.add_column(column, no_wrap=column != "file")
+    for item in listings:
+        accuracy = ", ".join(f"{100 * a:.1f}%" for a in item.accuracy) or "-"
+        table.add_row(
+            item.kind, item.target, format_size(item.size_bytes), str(item.tokens or "-"), str(item.vocab or "-"),
+            accuracy, item.trained or "-", item.path,
+        )
+    console.print(table)

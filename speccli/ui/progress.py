@@ -64,3 +64,58 @@ class BenchProgressDisplay:
         self.bar.update(self.task, total=state.total or None, completed=state.completed, description=state.describe())
         if state.phase == "done":
             self.bar.console.print(state.describe(), highlight=False)
+
+
+class TrainProgressDisplay:
+    """`specgen train`'s progress: the target's pass over the text, then the training steps;
+    a Rich bar on a terminal, otherwise a line every 10%."""
+
+    def __init__(self, say: Callable[[str], None], bar: bool) -> None:
+        self._say = say
+        self.bar = None
+        self._task = None
+        self._shown: dict[str, int] = {}
+        if bar:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TimeRemainingColumn(), console=Console(stderr=True), transient=True,
+            )
+
+    def __enter__(self) -> "TrainProgressDisplay":
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def say(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(f"specgen: {message}", highlight=False)
+        else:
+            self._say(message)
+
+    def _update(self, phase: str, done: int, total: int, detail: str = "") -> None:
+        if self.bar is not None:
+            if self._task is None or self._shown.get("phase") != phase:
+                if self._task is not None:
+                    self.bar.remove_task(self._task)
+                self._task = self.bar.add_task(phase, total=total)
+                self._shown["phase"] = phase
+            self.bar.update(self._task, total=total, completed=done, description=f"{phase}{detail}")
+            return
+        tenth = (10 * done) // max(1, total)
+        if self._shown.get(phase, -1) < tenth:
+            self._shown[phase] = tenth
+            self._say(f"{phase}: {done}/{total}{detail}")
+
+    def features(self, done: int, total: int) -> None:
+        self._update("target features (tokens)", done, total)
+
+    def steps(self, state) -> None:
+        loss = "" if state.loss is None else f", loss {state.loss:.3f}"
+        self._update("training (steps)", state.step, state.steps, loss)

@@ -1,0 +1,245 @@
+"""Drafters that draft from the target's own hidden states (speccli.heads): Medusa heads
+guess the next few tokens from the last settled feature at once; the EAGLE head runs
+autoregressively in feature space over a cache of its own.
+
+Both read features the target computed anyway: the decoder asks, before prefilling, from
+which position a drafter lacks them (`features_from`), prefills the target from there, and
+after each pass hands over the features of what was settled (`observe_features`). A
+feature at position p is the target's last hidden state there: the one its output layer
+turns into the logits of token p + 1.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from speccli.config import SamplingConfig
+from speccli.engine.backends import common_prefix_length
+from speccli.engine.coupling import Noise
+from speccli.engine.drafters import Draft, draw
+from speccli.heads.eagle import EagleHead
+from speccli.heads.medusa import MedusaHeads
+from speccli.heads.vocab import DraftVocab
+
+
+class FeatureDrafter(Protocol):
+    """What the decoder calls on a drafter that reads the target's features, besides the
+    Drafter protocol."""
+
+    reads_features: bool
+
+    def features_from(self, context: Sequence[int]) -> int:
+        """The first position of `context` whose feature this drafter lacks."""
+        ...
+
+    def observe_features(self, start: int, features: torch.Tensor) -> None:
+        """features [n, hidden]: the target's, at positions start .. start + n - 1, all settled."""
+        ...
+
+
+class MedusaDrafter:
+    """Head i of a Medusa set proposes the token i + 1 places past the pending one, from the
+    feature of the last settled position: one small pass for the whole draft."""
+
+    name = "medusa"
+    reads_features = True
+
+    def __init__(self, heads: MedusaHeads, vocab: DraftVocab, dtype: torch.dtype | None = None) -> None:
+        self.heads = heads.eval()
+        self.vocab = vocab
+        self.dtype = dtype or next(heads.parameters()).dtype
+        self.heads.to(self.dtype)
+        self._feature: torch.Tensor | None = None
+        self._position = -1  # the position self._feature belongs to
+
+    @property
+    def max_k(self) -> int:
+        return self.heads.heads
+
+    def start(self, context: Sequence[int]) -> None:
+        # A feature does not say which tokens it read: one from before this generation is
+        # not trusted (the decoder feeds the target the last settled token again instead).
+        self._forget()
+
+    def features_from(self, context: Sequence[int]) -> int:
+        return max(0, len(context) - 2)
+
+    def observe_features(self, start: int, features: torch.Tensor) -> None:
+        if len(features):
+            self._feature = features[-1]
+            self._position = start + len(features) - 1
+
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        noise: Noise | None = None,
+    ) -> Draft:
+        if k <= 0 or self._feature is None or self._position != len(context) - 2:
+            return Draft([])
+        with torch.inference_mode():
+            logits = self.heads(self._feature.to(self.dtype))[: min(k, self.heads.heads)]
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i, row in enumerate(logits):
+            full = self.vocab.to_target(row)
+            if generator is not None:
+                full = full.to(generator.device)
+            token, q, _ = draw(full, sampling, generator, None if noise is None else noise(i))
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def rollback(self, length: int) -> None:
+        if self._position > length - 1:
+            self._forget()
+
+    def _forget(self) -> None:
+        self._feature = None
+        self._position = -1
+
+
+class EagleDrafter:
+    """The EAGLE head drafts token by token: fed (feature of p, embedding of token p + 1) at
+    position p it predicts the feature of p + 1, whose logits (through the target's output
+    rows for the draft vocabulary) give the token after it. Real features fill its cache as
+    the target settles them; drafted entries are dropped at the next step."""
+
+    name = "eagle"
+    reads_features = True
+
+    def __init__(
+        self,
+        head: EagleHead,
+        vocab: DraftVocab,
+        embeddings: torch.nn.Module,
+        output_rows: torch.Tensor,
+        stop_confidence: float = 0.0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.dtype = dtype or output_rows.dtype
+        self.head = head.eval().to(self.dtype)
+        self.vocab = vocab
+        self.embeddings = embeddings
+        self.rows = output_rows.to(self.dtype)  # [len(vocab), hidden]
+        self.stop_confidence = stop_confidence
+        self.device = self.rows.device
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cache = None
+        self._entries = 0  # cache entries, drafted ones included
+        self._real = 0  # cache entries fed real features (positions 0 .. _real - 1)
+        self._seen: list[int] = []  # the tokens the real entries read: context[: _real + 1]
+        self._pending: torch.Tensor | None = None  # features not yet fed, from position _real
+        self._last: torch.Tensor | None = None  # the feature the last real entry predicted
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.head.body.config)
+
+    def _crop(self, entries: int) -> None:
+        if entries >= self._entries:
+            return
+        if entries == 0:
+            self._cache = None
+        else:
+            self._cache.crop(entries - self._entries)  # transformers 5: a negative count removes
+        self._entries = entries
+
+    def _valid(self, context: Sequence[int]) -> int:
+        """Real entries that read a prefix of `context` (entry p reads tokens up to p + 1)."""
+        return max(0, min(self._real, common_prefix_length(self._seen, context) - 1))
+
+    def _keep_real(self, valid: int) -> None:
+        if valid < self._real:
+            self._last = None
+        self._crop(valid)
+        self._real = min(self._real, valid)
+        del self._seen[self._real + 1 :]
+
+    def features_from(self, context: Sequence[int]) -> int:
+        return self._valid(context)
+
+    def start(self, context: Sequence[int]) -> None:
+        self._keep_real(self._valid(context))
+        self._pending = None
+
+    def observe_features(self, start: int, features: torch.Tensor) -> None:
+        if not len(features):
+            return
+        if start < self._real:
+            self._keep_real(start)
+        have = self._real + (0 if self._pending is None else len(self._pending))
+        if start > have:
+            self._reset()  # features are missing for some positions: start again from nothing
+            return
+        features = features.to(self.device, self.dtype)
+        if self._pending is None or start == self._real:
+            self._pending = features
+        else:
+            self._pending = torch.cat([self._pending[: start - self._real], features])
+
+    def _step(self, features: torch.Tensor, tokens: Sequence[int], first: int) -> torch.Tensor:
+        """Feed entries at positions first.. (features [n, hidden], the tokens after them);
+        returns the predicted features [n, hidden]."""
+        if self._cache is None:
+            self._cache = self._new_cache()
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        embeds = self.embeddings(ids).to(self.dtype)
+        positions = torch.arange(first, first + len(tokens), device=self.device)[None]
+        out = self.head(features[None], embeds, positions, cache=self._cache)
+        self._entries += len(tokens)
+        return out[0]
+
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        noise: Noise | None = None,
+    ) -> Draft:
+        n = len(context)
+        if k <= 0 or n < 2:
+            return Draft([])
+        self._crop(self._real)  # last step's drafted entries
+        pending = 0 if self._pending is None else len(self._pending)
+        if self._real + pending != n - 1:
+            return Draft([])  # features missing (a gap the decoder did not fill)
+        with torch.inference_mode():
+            if pending:
+                predicted = self._step(self._pending, context[self._real + 1 : n], self._real)
+                self._seen = list(context[:n])
+                self._real, self._pending = n - 1, None
+                self._last = predicted[-1]
+            elif self._last is None:
+                return Draft([])
+            feature = self._last
+            tokens: list[int] = []
+            probs: list[torch.Tensor] = []
+            for i in range(k):
+                row = self.vocab.to_target(feature @ self.rows.T)
+                if generator is not None:
+                    row = row.to(generator.device)
+                token, q, confidence = draw(row, sampling, generator, None if noise is None else noise(i))
+                tokens.append(token)
+                if q is not None:
+                    probs.append(q)
+                if i + 1 == k or confidence < self.stop_confidence:
+                    break
+                feature = self._step(feature[None], [token], n - 1 + i)[-1]
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def rollback(self, length: int) -> None:
+        if self._real > length - 1:
+            self._keep_real(max(0, length - 1))
+            self._pending = None
+        elif self._pending is not None and self._real + len(self._pending) > length - 1:
+            self._pending = self._pending[: max(0, length - 1 - self._real)]

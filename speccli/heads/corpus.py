@@ -1,0 +1,192 @@
+"""Text to train heads on, as token segments of one length.
+
+With no data named, a default corpus that needs no network: the Python standard library's
+own sources, and chat turns made from them (a user asking for a documented stdlib function,
+the assistant answering with its source, rendered with the target's chat template) so the
+heads also see the chat format they draft in. Labels are the target's own predictions
+(speccli.heads.features), so the text need not be what the target would say.
+
+Named data: files or folders of text or code (read as text), and .jsonl files whose lines
+hold "messages" (a chat), "prompt"/"response", "instruction"/"output" or "text".
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+from speccli.errors import UsageError
+
+SEGMENT_TOKENS = 256
+HELD_OUT_EVERY = 20  # every 20th segment is held out for accuracy
+TEXT_SUFFIXES = {
+    ".py", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".hpp", ".js", ".ts", ".go", ".rs",
+    ".java", ".sh", ".toml", ".yaml", ".yml", ".html", ".css", ".json", ".sql", ".rb", ".kt", ".swift",
+}
+# One chat turn per this many source files in the default corpus.
+FILES_PER_CHAT = 2
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Segments of SEGMENT_TOKENS token ids, and where they came from."""
+
+    segments: list[list[int]]
+    description: str  # for the heads' metadata and the feature cache's key
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+    def key(self) -> str:
+        digest = hashlib.sha256()
+        for segment in self.segments:
+            digest.update(json.dumps(segment).encode())
+        return digest.hexdigest()[:16]
+
+    def split(self) -> tuple[list[int], list[int]]:
+        """Indices of the training and held-out segments."""
+        held = [i for i in range(len(self.segments)) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+        if not held and len(self.segments) > 1:
+            held = [len(self.segments) - 1]  # a little text: still measure on one unseen segment
+        held_set = set(held)
+        return [i for i in range(len(self.segments)) if i not in held_set], held
+
+
+def _stable_order(paths: Iterable[Path]) -> list[Path]:
+    """The same shuffled order on every machine (by a hash of the relative name)."""
+    return sorted(paths, key=lambda p: hashlib.sha256(p.as_posix().encode()).hexdigest())
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    by_name = {p.relative_to(root): p for p in files}
+    return [by_name[rel] for rel in _stable_order(by_name)]
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def documented_functions(source: str) -> list[tuple[str, str]]:
+    """(request, answer) pairs from a module: a function's signature and docstring as the
+    request, its source as the answer."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    pairs = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node)
+        code = ast.get_source_segment(source, node)
+        if not doc or not code or len(code) > 3000:
+            continue
+        summary = doc.strip().split("\n\n")[0].replace("\n", " ")
+        pairs.append((f"Write a Python function `{node.name}` that does this: {summary}", f"```python\n{code}\n```"))
+    return pairs
+
+
+class Tokens:
+    """A tokenizer's encoding for plain text and for chats."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if not self.has_template:
+            return self.text("\n\n".join(f"{m['role']}: {m['content']}" for m in messages))
+        ids = self.tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+def _jsonl_items(path: Path, tokens: Tokens) -> Iterator[list[int]]:
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError:
+            raise UsageError(f"{path}:{number} is not JSON", hint="each line of a .jsonl file holds one JSON object") from None
+        if not isinstance(item, dict):
+            continue
+        if isinstance(item.get("messages"), list):
+            yield tokens.chat(item["messages"])
+        elif "prompt" in item and "response" in item:
+            yield tokens.chat([{"role": "user", "content": str(item["prompt"])}, {"role": "assistant", "content": str(item["response"])}])
+        elif "instruction" in item and "output" in item:
+            yield tokens.chat([{"role": "user", "content": str(item["instruction"])}, {"role": "assistant", "content": str(item["output"])}])
+        elif isinstance(item.get("text"), str):
+            yield tokens.text(item["text"])
+
+
+def _named_files(paths: Sequence[Path]) -> list[Path]:
+    files: list[Path] = []
+    for path in paths:
+        path = Path(path)
+        if path.is_dir():
+            found = [p for p in path.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES or p.suffix == ".jsonl")]
+            files.extend(sorted(found))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise UsageError(f"no such file or folder: {path}", hint="--data takes files or folders of text, code or .jsonl")
+    return files
+
+
+def _documents(data: Sequence[Path], tokens: Tokens) -> Iterator[list[int]]:
+    if data:
+        for path in _named_files(data):
+            if path.suffix == ".jsonl":
+                yield from _jsonl_items(path, tokens)
+            else:
+                text = _read_text(path)
+                if text and text.strip():
+                    yield tokens.text(text)
+        return
+    for number, path in enumerate(stdlib_files()):
+        text = _read_text(path)
+        if not text or not text.strip():
+            continue
+        yield tokens.text(text)
+        if number % FILES_PER_CHAT == 0:
+            for request, answer in documented_functions(text)[:1]:
+                yield tokens.chat([{"role": "user", "content": request}, {"role": "assistant", "content": answer}])
+
+
+def build_corpus(tokenizer: Any, max_tokens: int, data: Sequence[Path] = (), segment_tokens: int = SEGMENT_TOKENS) -> Corpus:
+    """Up to `max_tokens` tokens of the named data (or the default corpus), one stream cut
+    into segments of `segment_tokens` (a shorter tail is dropped)."""
+    if max_tokens < segment_tokens:
+        raise UsageError(f"--tokens must be at least {segment_tokens}, got {max_tokens}")
+    tokens = Tokens(tokenizer)
+    stream: list[int] = []
+    segments: list[list[int]] = []
+    for document in _documents(data, tokens):
+        stream.extend(document)
+        while len(stream) >= segment_tokens and len(segments) * segment_tokens < max_tokens:
+            segments.append(stream[:segment_tokens])
+            del stream[:segment_tokens]
+        if len(segments) * segment_tokens >= max_tokens:
+            break
+    if not segments:
+        where = ", ".join(str(p) for p in data) if data else "the Python standard library"
+        raise UsageError(f"no training text found in {where}", hint=f"give at least {segment_tokens} tokens of text")
+    description = "default: Python standard library sources and chats made from them" if not data else "files: " + ", ".join(str(p) for p in data)
+    return Corpus(segments, description)

@@ -1,0 +1,303 @@
+"""Training Medusa heads and the EAGLE head on features of the frozen target
+(speccli.heads.features): self-distillation, the labels being the target's own greedy
+predictions. A checkpoint is written every minute and on Ctrl-C; the same command resumes
+from it. Accuracy is measured on held-out segments."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speccli.heads.eagle import EagleHead
+from speccli.heads.features import Features
+from speccli.heads.medusa import MedusaHeads
+from speccli.heads.store import Heads
+from speccli.heads.vocab import IGNORE, DraftVocab
+
+CHECKPOINT_SECONDS = 60.0
+MEDUSA_DECAY = 0.8  # head i's loss weighs 0.8^i (Medusa-1)
+EAGLE_CLASSIFICATION_WEIGHT = 0.1  # EAGLE-1: L = L_reg + 0.1 L_cls
+EAGLE_NOISE = 0.1  # uniform noise on input features, as a share of their RMS (EAGLE-1 adds U(-0.1, 0.1))
+WARMUP_STEPS = 20
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    kind: str  # medusa or eagle
+    heads: int = 4  # Medusa
+    layers: int = 1  # Medusa: residual blocks per head
+    vocab: int = 8192  # draft vocabulary size
+    epochs: float = 2.0
+    batch_segments: int = 8
+    learning_rate: float = 1e-3
+    seed: int = 0
+    bf16: bool = False  # autocast the head's matmuls to bfloat16 (CPUs with native bf16, GPUs)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TrainProgress:
+    step: int
+    steps: int
+    loss: float | None
+    seconds: float
+
+
+@dataclass
+class TrainReport:
+    steps: int
+    seconds: float
+    train_tokens: int
+    held_out_tokens: int
+    accuracy: list[float]  # held-out top-1: per Medusa head; EAGLE: its first token
+    vocab_coverage: float  # held-out labels the draft vocabulary holds
+    losses: list[float] = field(default_factory=list)  # mean loss per tenth of training
+    resumed_from: int = 0
+
+
+def _labels_in(vocab: DraftVocab, labels: torch.Tensor) -> torch.Tensor:
+    return vocab.index_of(labels)
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: TrainConfig,
+        target: nn.Module,
+        train: Features,
+        held_out: Features,
+        checkpoint: Path,
+        progress: Callable[[TrainProgress], None] | None = None,
+    ) -> None:
+        if config.kind not in ("medusa", "eagle"):
+            raise ValueError(f"unknown kind of heads: {config.kind}")
+        if len(train) == 0:
+            raise ValueError("no training segments")
+        self.config = config
+        self.target = target
+        self.train_set = train
+        self.held_out = held_out
+        self.checkpoint = Path(checkpoint)
+        self.progress = progress
+        torch.manual_seed(config.seed)
+        vocab_size = int(target.get_output_embeddings().weight.shape[0])
+        self.vocab = DraftVocab.most_frequent(train.labels, config.vocab, vocab_size)
+        with torch.no_grad():
+            self.rows = target.get_output_embeddings().weight.detach()[self.vocab.ids].float()
+        self.train_labels = _labels_in(self.vocab, train.labels)
+        if config.kind == "medusa":
+            self.module: nn.Module = MedusaHeads(target.config.hidden_size, len(self.vocab), config.heads, config.layers)
+            self.module.init_output(self.rows)
+        else:
+            self.module = EagleHead(target.config)
+            try:
+                self.module.init_from_target(target)
+            except (RuntimeError, KeyError, AttributeError):
+                pass  # a layout (or quantized layers) it cannot copy from: start from random weights
+            self.embeddings = target.get_input_embeddings()
+            self.rms = float(train.features[:64].float().pow(2).mean().sqrt()) or 1.0
+        self.module.float().train()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+        per_epoch = math.ceil(len(train) / config.batch_segments)
+        self.steps = max(1, math.ceil(config.epochs * per_epoch))
+        self.per_epoch = per_epoch
+        self.step = 0
+        self.seconds = 0.0
+        self.losses: list[float] = []
+        self.resumed_from = 0
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _identity(self) -> dict:
+        return {"config": self.config.as_dict(), "segments": len(self.train_set), "vocab": self.vocab.ids.tolist()[:64]}
+
+    def resume(self) -> bool:
+        """Continue from the checkpoint when it is this run's; True when it did."""
+        if not self.checkpoint.exists():
+            return False
+        try:
+            state = torch.load(self.checkpoint, map_location="cpu", weights_only=False)
+        except Exception:  # noqa: BLE001 - a damaged checkpoint: start over
+            return False
+        if state.get("identity") != self._identity():
+            return False
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.seconds, self.losses = state["step"], state["seconds"], state["losses"]
+        self.resumed_from = self.step
+        return True
+
+    def save_checkpoint(self) -> None:
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.checkpoint.with_name(self.checkpoint.name + ".partial")
+        torch.save(
+            {
+                "identity": self._identity(),
+                "module": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step,
+                "seconds": self.seconds,
+                "losses": self.losses,
+            },
+            partial,
+        )
+        partial.replace(self.checkpoint)
+
+    # ------------------------------------------------------------------ training
+
+    def _batch(self, step: int) -> torch.Tensor:
+        epoch, index = divmod(step, self.per_epoch)
+        order = torch.randperm(len(self.train_set), generator=torch.Generator().manual_seed(self.config.seed * 1000 + epoch))
+        size = self.config.batch_segments
+        return order[index * size : (index + 1) * size]
+
+    def _learning_rate(self, step: int) -> float:
+        base = self.config.learning_rate
+        if step < WARMUP_STEPS:
+            return base * (step + 1) / WARMUP_STEPS
+        progress = (step - WARMUP_STEPS) / max(1, self.steps - WARMUP_STEPS)
+        return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+    def _autocast(self):
+        device = self.train_set.features.device.type
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.config.bf16)
+
+    def loss(self, batch: torch.Tensor, step: int) -> torch.Tensor:
+        features = self.train_set.features[batch].float()
+        labels = self.train_labels[batch]
+        if self.config.kind == "medusa":
+            return medusa_loss(self.module, features, labels)
+        noise = torch.rand(features[:, :-1].shape, generator=torch.Generator().manual_seed(step)) * 2 - 1
+        tokens = self.train_set.tokens[batch]
+        return eagle_loss(self.module, self.embeddings, self.rows, features, tokens, labels, self.rms, noise * EAGLE_NOISE * self.rms)
+
+    def run(self) -> None:
+        """Train up to the configured steps; a checkpoint every CHECKPOINT_SECONDS and on Ctrl-C."""
+        last_saved = time.perf_counter()
+        window: list[float] = []
+        tenth = max(1, self.steps // 10)
+        try:
+            while self.step < self.steps:
+                started = time.perf_counter()
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self._learning_rate(self.step)
+                with self._autocast():
+                    loss = self.loss(self._batch(self.step), self.step)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
+                self.optimizer.step()
+                self.step += 1
+                self.seconds += time.perf_counter() - started
+                value = float(loss.detach())
+                window.append(value)
+                if len(window) == tenth or self.step == self.steps:
+                    self.losses.append(sum(window) / len(window))
+                    window = []
+                if self.progress is not None:
+                    self.progress(TrainProgress(self.step, self.steps, value, self.seconds))
+                if time.perf_counter() - last_saved > CHECKPOINT_SECONDS:
+                    self.save_checkpoint()
+                    last_saved = time.perf_counter()
+        except KeyboardInterrupt:
+            self.save_checkpoint()
+            raise
+
+    # ------------------------------------------------------------------ results
+
+    @torch.no_grad()
+    def accuracy(self) -> list[float]:
+        """Held-out top-1: Medusa head i against the target's token i + 1 places past its
+        own next one; EAGLE's first drafted token (from the target's true features)."""
+        self.module.eval()
+        data = self.held_out
+        if len(data) == 0:
+            return []
+        hits: list[float] = []
+        totals: list[int] = []
+        for first in range(0, len(data), self.config.batch_segments):
+            part = slice(first, first + self.config.batch_segments)
+            features, labels = data.features[part].float(), data.labels[part]
+            with self._autocast():
+                if self.config.kind == "medusa":
+                    logits = self.module(features)  # [K, B, T, V]
+                    for i in range(logits.shape[0]):
+                        shift = i + 1
+                        guess = self.vocab.ids[logits[i, :, :-shift].argmax(-1)]
+                        _add(hits, totals, i, (guess == labels[:, shift:]).sum().item(), guess.numel())
+                else:
+                    tokens = data.tokens[part]
+                    predicted = eagle_forward(self.module, self.embeddings, features, tokens)
+                    guess = self.vocab.ids[(predicted.float() @ self.rows.T).argmax(-1)]
+                    _add(hits, totals, 0, (guess == labels[:, 1:]).sum().item(), guess.numel())
+        self.module.train()
+        return [h / t for h, t in zip(hits, totals)]
+
+    def heads(self, target_identity: dict, training: dict) -> Heads:
+        shape = {"heads": self.config.heads, "layers": self.config.layers} if self.config.kind == "medusa" else {}
+        module = self.module.eval()
+        return Heads(self.config.kind, module, self.vocab, target_identity, shape, training)
+
+
+def _add(hits: list[float], totals: list[int], index: int, hit: float, total: int) -> None:
+    while len(hits) <= index:
+        hits.append(0.0)
+        totals.append(0)
+    hits[index] += hit
+    totals[index] += total
+
+
+def medusa_loss(module: MedusaHeads, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over heads of MEDUSA_DECAY^i x cross-entropy; head i (from 0) at position t is
+    scored against the target's prediction at t + i + 1 (labels: draft-vocabulary indices)."""
+    logits = module(features)  # [K, B, T, V]
+    total = logits.new_zeros((), dtype=torch.float32)
+    for i in range(logits.shape[0]):
+        shift = i + 1
+        if shift >= features.shape[1]:
+            break
+        scores = logits[i, :, :-shift].reshape(-1, logits.shape[-1]).float()
+        targets = labels[:, shift:].reshape(-1)
+        if (targets != IGNORE).any():
+            total = total + MEDUSA_DECAY**i * F.cross_entropy(scores, targets, ignore_index=IGNORE)
+    return total
+
+
+def eagle_forward(head: EagleHead, embeddings: nn.Module, features: torch.Tensor, tokens: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Teacher forcing: from (feature t, embedding of token t + 1) for t < T - 1, the
+    predicted features of positions 1 .. T - 1 [B, T - 1, hidden]."""
+    inputs = features[:, :-1] if noise is None else features[:, :-1] + noise
+    with torch.no_grad():
+        embedded = embeddings(tokens[:, 1:].to(embeddings.weight.device)).float()
+    positions = torch.arange(features.shape[1] - 1).expand(features.shape[0], -1)
+    return head(inputs, embedded, positions)
+
+
+def eagle_loss(
+    head: EagleHead,
+    embeddings: nn.Module,
+    rows: torch.Tensor,
+    features: torch.Tensor,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    rms: float,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """EAGLE-1: smooth L1 between predicted and true features (in units of their RMS) plus
+    EAGLE_CLASSIFICATION_WEIGHT x cross-entropy of the token the target would say next."""
+    predicted = eagle_forward(head, embeddings, features, tokens, noise)
+    regression = F.smooth_l1_loss(predicted.float() / rms, features[:, 1:] / rms)
+    scores = (predicted @ rows.T.to(predicted.dtype)).float().reshape(-1, rows.shape[0])
+    targets = labels[:, 1:].reshape(-1)
+    classification = F.cross_entropy(scores, targets, ignore_index=IGNORE) if (targets != IGNORE).any() else scores.sum() * 0
+    return regression + EAGLE_CLASSIFICATION_WEIGHT * classification
