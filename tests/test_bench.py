@@ -535,7 +535,8 @@ def test_csv_report():
 
 def test_json_report():
     payload = json.loads(bench_report.to_json(fixed_results()))
-    assert set(payload) == {"complete", "settings", "metadata", "overall", "by_k", "by_prompt", "rows"}
+    assert set(payload) == {"complete", "settings", "metadata", "overall", "by_k", "by_category", "by_prompt", "rows"}
+    assert [(s["category"], s["completed"]) for s in payload["by_category"]] == [("code", 2), ("uncategorised", 1)]
     assert payload["settings"]["ks"] == [2] and payload["metadata"] == {"target": "t"}
     assert [s["prompt"] for s in payload["by_prompt"]] == ["p|1", "q"]
     assert payload["rows"][0]["speedup"] == 2.0
@@ -550,6 +551,8 @@ def test_markdown_report():
     assert " | 2.2 | " in lines[2]  # pass size: (16 drafted + 13 steps) / 13 steps
     assert lines[3].startswith("| q | - | 2 | 10.00 | 40.00 | 4.00x | - |")
     assert lines[4].startswith("| **all prompts** | **-** | **2** |")
+    assert lines[5].startswith("| **all code** | **code** | **2** | **10.00** | **13.33** | **1.50x** |")
+    assert lines[6].startswith("| **all uncategorised** | **uncategorised** | **2** |")
     assert "- q k=2 repeat 2: speculative decoding failed: RuntimeError: boom" in lines
 
 

@@ -293,6 +293,9 @@ class BenchSummary:
         }
 
 
+UNCATEGORISED = "uncategorised"
+
+
 @dataclass
 class BenchResults:
     """Every row of a benchmark, and summaries over them.
@@ -324,6 +327,20 @@ class BenchResults:
         return out
 
     @property
+    def by_category(self) -> list[BenchSummary]:
+        """One summary per (category, k) over that category's prompts, when the prompts
+        come in more than one category (a prompt without one counts as its own group)."""
+        categories = list(dict.fromkeys(r.category for r in self.rows))
+        if len(categories) < 2:
+            return []
+        return [
+            BenchSummary.of(rows, None, category or UNCATEGORISED, k)
+            for category in categories
+            for k in self.settings.ks
+            if (rows := [r for r in self.rows if r.category == category and r.k == k])
+        ]
+
+    @property
     def overall(self) -> BenchSummary:
         return BenchSummary.of(self.rows, None, None, None)
 
@@ -342,6 +359,7 @@ class BenchResults:
             "metadata": dict(self.metadata),
             "overall": self.overall.as_dict(),
             "by_k": [s.as_dict() for s in self.by_k],
+            "by_category": [s.as_dict() for s in self.by_category],
             "by_prompt": [s.as_dict() for s in self.by_prompt],
             "rows": [r.as_dict(tokens) for r in self.rows],
         }

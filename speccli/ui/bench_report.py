@@ -106,7 +106,7 @@ def _errors(s: BenchSummary) -> str:
 def summary_cells(s: BenchSummary) -> list[str]:
     """The cells of one summary line, in SUMMARY_COLUMNS order."""
     return [
-        s.prompt if s.prompt is not None else ALL_PROMPTS,
+        s.prompt if s.prompt is not None else (ALL_PROMPTS if s.category is None else f"all {s.category}"),
         s.category or "-",
         "all" if s.k is None else str(s.k),
         _num(s.plain_tokens_per_second, ".2f"),
@@ -123,9 +123,10 @@ def summary_cells(s: BenchSummary) -> list[str]:
 
 
 def _totals(results: BenchResults) -> list[BenchSummary]:
-    """Per-k summaries over every prompt, plus the overall one when there are several k."""
+    """Per-k summaries over every prompt, the overall one when there are several k, then
+    one per category when there are several categories."""
     by_k = results.by_k
-    return by_k + ([results.overall] if len(by_k) > 1 else [])
+    return by_k + ([results.overall] if len(by_k) > 1 else []) + results.by_category
 
 
 def headline(results: BenchResults) -> str:
