@@ -249,23 +249,28 @@ def trained_drafter(trained, kind: str):
 CODE_PROMPTS = ["def add(a, b):\n", "for i in range(10):\n    print(", "class Point:\n    def", "def mul(a, b):\n    return"]
 
 
-@pytest.mark.parametrize("k", [1, 3, "auto"])
+@pytest.mark.parametrize("k, tree", [(1, False), (3, False), ("auto", False), (3, True), ("auto", True)])
 @pytest.mark.parametrize("backend", [wrap, wrap_static], ids=["dynamic", "static"])
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_head_drafts_equal_target_greedy(trained, kind, backend, k):
+def test_head_drafts_equal_target_greedy(trained, kind, backend, k, tree):
     """Trained heads (a draft vocabulary of 40 of the 99 ids: the others are never
     proposed) on a target whose text they learned: drafts are accepted, and the output is
-    the target's own, token for token."""
+    the target's own, token for token; chains and trees."""
     tokenizer, target = trained[0], trained[1]
     decoder = SpeculativeDecoder(backend(target), tokenizer, [EOS], trained_drafter(trained, kind))
     accepted = 0
+    branched = False
     for prompt in CODE_PROMPTS + PROMPTS[:6]:
         ids = encode(tokenizer, prompt)
-        events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=32)))
+        events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=32, tree=tree)))
         assert emitted(events) == target_greedy(target, ids), prompt
-        accepted += sum(e.accepted for e in events if isinstance(e, StepEvent))
+        steps = [e for e in events if isinstance(e, StepEvent)]
+        accepted += sum(e.accepted for e in steps)
+        branched |= any(e.tree and e.fed > e.drafted + 1 for e in steps)
+    if tree and k != "auto":
+        assert branched  # some pass checked more than one chain
     if k != "auto":  # k auto may judge drafting on so tiny a model not worth it (its costs are timed)
-        assert accepted > 5
+        assert accepted > (0 if tree else 5)
 
 
 def test_eagle_state_after_steps_equals_a_fresh_start(pairs, tokenizer):
@@ -315,8 +320,9 @@ def test_seeded_head_sampling_is_the_targets_own_sample(pairs, tokenizer, kind):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_head_samples_follow_the_exact_target_distribution(kind, monkeypatch):
+def test_head_samples_follow_the_exact_target_distribution(kind, tree, monkeypatch):
     monkeypatch.setattr(decoder_module, "coupled", lambda sampling: False)
     tokenizer = char_tokenizer(ALPHABET)
     vocab = len(tokenizer)
@@ -325,7 +331,7 @@ def test_head_samples_follow_the_exact_target_distribution(kind, monkeypatch):
     decoder = SpeculativeDecoder(wrap(target), tokenizer, [], drafter)
     prompt = tokenizer("abc", add_special_tokens=False)["input_ids"]
     sampling = SamplingConfig(temperature=1.0)
-    spec = SpecConfig(k=2, max_new_tokens=CONTINUATION)
+    spec = SpecConfig(k=2, max_new_tokens=CONTINUATION, tree=tree)
     draws = 12_000
     seeds = torch.Generator().manual_seed(4321)
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)

@@ -11,6 +11,7 @@ turns into the logits of token p + 1.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol, Sequence
 
 import torch
@@ -19,6 +20,8 @@ from speccli.config import SamplingConfig
 from speccli.engine.backends import common_prefix_length
 from speccli.engine.coupling import Noise
 from speccli.engine.drafters import Draft, draw
+from speccli.engine.tree import ROOT, TokenTree, TreeShape
+from speccli.engine.tree_drafters import grow_tree
 from speccli.heads.eagle import EagleHead
 from speccli.heads.medusa import MedusaHeads
 from speccli.heads.vocab import DraftVocab
@@ -95,6 +98,25 @@ class MedusaDrafter:
                 probs.append(q)
         return Draft(tokens, torch.stack(probs) if probs else None)
 
+    def propose_tree(
+        self,
+        context: Sequence[int],
+        shape: TreeShape,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        noise: Noise | None = None,
+    ) -> TokenTree:
+        """A tree as Medusa drafts one: each depth's nodes offer the top candidates of
+        that depth's head (the heads read the same feature, so every node at a depth has
+        the same children's distribution); the most probable paths are kept."""
+        if self._feature is None or self._position != len(context) - 2:
+            return TokenTree([], [])
+        with torch.inference_mode():
+            rows = [self.vocab.to_target(row) for row in self.heads(self._feature.to(self.dtype))]
+        shape = replace(shape, max_depth=min(shape.max_depth, len(rows)))
+        source = _FixedRows(rows)
+        return grow_tree(source, context, shape, sampling, generator, noise)[0]
+
     def rollback(self, length: int) -> None:
         if self._position > length - 1:
             self._forget()
@@ -102,6 +124,21 @@ class MedusaDrafter:
     def _forget(self) -> None:
         self._feature = None
         self._position = -1
+
+
+class _FixedRows:
+    """Medusa's tree source: depth d's children come from head d + 1, whatever the parent."""
+
+    expands_free = True
+
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        self.rows = rows
+
+    def root_logits(self, context: Sequence[int]) -> torch.Tensor:
+        return self.rows[0]
+
+    def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int) -> list[torch.Tensor]:
+        return [self.rows[depth]] * len(nodes)
 
 
 class EagleDrafter:
@@ -207,25 +244,16 @@ class EagleDrafter:
         noise: Noise | None = None,
     ) -> Draft:
         n = len(context)
-        if k <= 0 or n < 2:
+        if k <= 0:
             return Draft([])
-        self._crop(self._real)  # last step's drafted entries
-        pending = 0 if self._pending is None else len(self._pending)
-        if self._real + pending != n - 1:
-            return Draft([])  # features missing (a gap the decoder did not fill)
         with torch.inference_mode():
-            if pending:
-                predicted = self._step(self._pending, context[self._real + 1 : n], self._real)
-                self._seen = list(context[:n])
-                self._real, self._pending = n - 1, None
-                self._last = predicted[-1]
-            elif self._last is None:
+            feature = self._root(context)
+            if feature is None:
                 return Draft([])
-            feature = self._last
             tokens: list[int] = []
             probs: list[torch.Tensor] = []
             for i in range(k):
-                row = self.vocab.to_target(feature @ self.rows.T)
+                row = self._logits(feature)
                 if generator is not None:
                     row = row.to(generator.device)
                 token, q, confidence = draw(row, sampling, generator, None if noise is None else noise(i))
@@ -237,9 +265,89 @@ class EagleDrafter:
                 feature = self._step(feature[None], [token], n - 1 + i)[-1]
         return Draft(tokens, torch.stack(probs) if probs else None)
 
+    def _root(self, context: Sequence[int]) -> torch.Tensor | None:
+        """Feed the real features not fed yet (dropping last step's drafted entries) and
+        return the feature predicted for the pending token: the one its successor's logits
+        come from. None when features are missing."""
+        n = len(context)
+        if n < 2:
+            return None
+        self._crop(self._real)
+        pending = 0 if self._pending is None else len(self._pending)
+        if self._real + pending != n - 1:
+            return None  # features missing (a gap the decoder did not fill)
+        if pending:
+            predicted = self._step(self._pending, context[self._real + 1 : n], self._real)
+            self._seen = list(context[:n])
+            self._real, self._pending = n - 1, None
+            self._last = predicted[-1]
+        return self._last
+
+    def propose_tree(
+        self,
+        context: Sequence[int],
+        shape: TreeShape,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        noise: Noise | None = None,
+    ) -> TokenTree:
+        """A tree as EAGLE-2 drafts one: the most probable nodes of each depth are fed to
+        the head together (each sees the context's entries and its own ancestors), and the
+        nodes of highest path probability are kept (speccli.engine.tree_drafters)."""
+        with torch.inference_mode():
+            feature = self._root(context)
+            if feature is None:
+                return TokenTree([], [])
+            return grow_tree(_EagleSource(self, feature), context, shape, sampling, generator, noise)[0]
+
+    def _logits(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.vocab.to_target(feature @ self.rows.T)
+
     def rollback(self, length: int) -> None:
         if self._real > length - 1:
             self._keep_real(max(0, length - 1))
             self._pending = None
         elif self._pending is not None and self._real + len(self._pending) > length - 1:
             self._pending = self._pending[: max(0, length - 1 - self._real)]
+
+
+class _EagleSource:
+    """EAGLE's tree source: expanding a node feeds the head (its parent's predicted
+    feature, its own token) at its position, seeing the real entries and its ancestors."""
+
+    def __init__(self, drafter: EagleDrafter, root_feature: torch.Tensor) -> None:
+        self.drafter = drafter
+        self.features: dict[int, torch.Tensor] = {ROOT: root_feature}
+        self.window: dict[int, int] = {}  # node -> its offset among the drafted entries
+
+    def root_logits(self, context: Sequence[int]) -> torch.Tensor:
+        return self.drafter._logits(self.features[ROOT])
+
+    def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int) -> list[torch.Tensor]:
+        drafter = self.drafter
+        fed = len(self.window)
+        for offset, node in enumerate(nodes):
+            self.window[node] = fed + offset
+        real = drafter._real
+        width = real + fed + len(nodes)
+        seen = torch.zeros((len(nodes), width), dtype=torch.bool)
+        seen[:, :real] = True
+        for row, node in enumerate(nodes):
+            ancestor = node
+            while ancestor != ROOT:
+                seen[row, real + self.window[ancestor]] = True
+                ancestor = parents[ancestor]
+        hidden = torch.finfo(drafter.dtype).min
+        mask = torch.zeros(seen.shape, dtype=drafter.dtype).masked_fill_(~seen, hidden)[None, None].to(drafter.device)
+        if drafter._cache is None:
+            drafter._cache = drafter._new_cache()
+        features = torch.stack([self.features[parents[node]] for node in nodes])
+        ids = torch.tensor([[tokens[node] for node in nodes]], dtype=torch.long, device=drafter.device)
+        embeds = drafter.embeddings(ids).to(drafter.dtype)
+        # Node at depth d reads the feature of position (pending + d - 1).
+        positions = torch.full((1, len(nodes)), real + depth - 1, dtype=torch.long, device=drafter.device)
+        out = drafter.head(features[None], embeds, positions, cache=drafter._cache, attention_mask=mask)[0]
+        drafter._entries += len(nodes)
+        for node, feature in zip(nodes, out):
+            self.features[node] = feature
+        return [drafter._logits(feature) for feature in out]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
@@ -100,6 +100,50 @@ def _children_counts(
     return counts
 
 
+class TreeSource(Protocol):
+    """Where a grown tree's distributions come from: the root's children's logits, and
+    those of the children of nodes chosen for expansion (over the target's vocabulary)."""
+
+    def root_logits(self, context: Sequence[int]) -> torch.Tensor:
+        """[V_target] logits of the token after `context`."""
+        ...
+
+    def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int) -> list[torch.Tensor]:
+        """Logits [V_target] of the children of each of `nodes` (all at `depth`; `tokens`
+        and `parents` describe every node grown so far)."""
+        ...
+
+
+class DraftModelSource:
+    """A draft model's distributions: the nodes chosen at each depth are fed together in
+    one tree pass over the draft's own cache, after the whole context."""
+
+    def __init__(self, drafter: "ModelDrafter") -> None:
+        self.drafter = drafter
+        self.base = len(drafter.model.cached_tokens)
+        self.window: dict[int, int] = {}  # node -> its offset among the draft's cached tree entries
+
+    def root_logits(self, context: Sequence[int]) -> torch.Tensor:
+        row = self.drafter.context_logits(context)
+        self.base = len(self.drafter.model.cached_tokens)  # the whole context: the tree grows after it
+        return self.drafter.aligned(row)
+
+    def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int) -> list[torch.Tensor]:
+        fed = len(self.window)
+        for offset, node in enumerate(nodes):
+            self.window[node] = fed + offset
+        visible = torch.zeros((len(nodes), fed + len(nodes)), dtype=torch.bool)
+        for row_index, node in enumerate(nodes):
+            ancestor = node
+            while ancestor != ROOT:
+                visible[row_index, self.window[ancestor]] = True
+                ancestor = parents[ancestor]
+        positions = [self.base - 1 + depth] * len(nodes)
+        readable = self.drafter.readable([tokens[n] for n in nodes])
+        rows = self.drafter.model.forward_tree(readable, positions, visible, self.base)
+        return [self.drafter.aligned(row) for row in rows]
+
+
 def grow_model_tree(
     drafter: "ModelDrafter",
     context: Sequence[int],
@@ -108,7 +152,26 @@ def grow_model_tree(
     generator: torch.Generator | None,
     noise: Noise | None = None,
 ) -> GrownTree:
-    """Greedy and coupled trees keep, at the end, the candidates of highest path
+    """A tree from the draft model (see `grow_tree`), and where its cache holds the nodes."""
+    source = DraftModelSource(drafter)
+    tree, renumber = grow_tree(source, context, shape, sampling, generator, noise)
+    cached = {renumber[n]: offset for n, offset in source.window.items() if n in renumber}
+    return GrownTree(tree, source.base, cached)
+
+
+def grow_tree(
+    source: TreeSource,
+    context: Sequence[int],
+    shape: TreeShape,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    noise: Noise | None = None,
+) -> tuple[TokenTree, dict[int, int]]:
+    """A tree grown depth by depth: the BEAM most probable new nodes (above the expansion
+    floor) each offer BRANCHES children. Returns the tree and the map from grown node
+    numbers to the tree's.
+
+    Greedy and coupled trees keep, at the end, the candidates of highest path
     probability. A tree sampled without a seed may not: keeping a drawn token because of
     its own value would bias what is kept towards the draft's likely tokens, and the rule
     needs each child to be a plain draw (without replacement) from its parent's q. So
@@ -116,25 +179,22 @@ def grow_model_tree(
     every drawn child stays (which nodes get children may depend on anything drawn before
     them: the rule only looks at children once their parent is accepted)."""
     if shape.max_depth <= 0 or shape.max_nodes <= 0:
-        return GrownTree(TokenTree([], []), len(drafter.model.cached_tokens), {})
+        return TokenTree([], []), {}
     started = time.perf_counter()
     sampled = not sampling.greedy and noise is None
-    model = drafter.model
-    row = drafter.context_logits(context)
-    base = len(model.cached_tokens)  # the whole context: the tree grows after it
-    floor = expand_floor(shape)
+    row = source.root_logits(context)
+    # A source whose expansions cost no pass (Medusa's heads) expands the BEAM best nodes.
+    floor = 0.0 if getattr(source, "expands_free", False) else expand_floor(shape)
     tokens: list[int] = []
     parents: list[int] = []
     path_probs: list[float] = []
     drawn_before: list[tuple[int, ...]] = []
     dists: list[torch.Tensor] = []
     dist_rows: dict[int, int] = {}
-    window: dict[int, int] = {}  # node -> its offset among the draft's cached tree entries
     frontier: list[tuple[int, torch.Tensor]] = [(ROOT, row)]
     for depth in range(1, shape.max_depth + 1):
         here: list[tuple[int, torch.Tensor, float]] = []
-        for parent, logits in frontier:
-            aligned = drafter.aligned(logits)
+        for parent, aligned in frontier:
             if generator is not None:
                 aligned = aligned.to(generator.device)
             q = torch.softmax(aligned.float(), dim=-1) if sampling.greedy else warp(aligned, sampling)
@@ -164,18 +224,7 @@ def grow_model_tree(
         expand = [node for node in best if path_probs[node] >= floor]
         if not expand:
             break
-        fed = len(window)
-        for offset, node in enumerate(expand):
-            window[node] = fed + offset
-        visible = torch.zeros((len(expand), fed + len(expand)), dtype=torch.bool)
-        for row_index, node in enumerate(expand):
-            ancestor = node
-            while ancestor != ROOT:
-                visible[row_index, window[ancestor]] = True
-                ancestor = parents[ancestor]
-        positions = [base - 1 + depth] * len(expand)
-        rows = model.forward_tree(drafter.readable([tokens[n] for n in expand]), positions, visible, base)
-        frontier = list(zip(expand, rows))
+        frontier = list(zip(expand, source.expand(expand, tokens, parents, depth)))
 
     if sampled:
         kept = list(range(len(tokens)))
@@ -194,8 +243,7 @@ def grow_model_tree(
         {renumber[p]: r for p, r in dist_rows.items() if p in renumber},
         excluded,
     )
-    cached = {renumber[n]: offset for n, offset in window.items() if n in renumber}
-    return GrownTree(tree, base, cached)
+    return tree, renumber
 
 
 def trie(continuations: Sequence[Sequence[int]], max_nodes: int) -> TokenTree:
