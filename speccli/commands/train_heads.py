@@ -64,7 +64,7 @@ def train_heads(target: LoadedModel, request: TrainRequest, cache_dir: Path, eve
     path = heads_path(request, cache_dir, target.name)
     corpus = build_corpus(target.tokenizer, request.tokens, request.data)
     events.say(f"corpus: {corpus.tokens} tokens in {len(corpus.segments)} segments ({corpus.description})")
-    folder = Path(cache_dir) / "heads" / slug(target.name) / "features" / f"{corpus.key()}-{dtype_name(target.dtype)}"
+    folder = Path(cache_dir) / "heads" / slug(target.name) / "features" / dtype_name(target.dtype)
     features_started = time.perf_counter()
     features = extract(target.model, corpus, folder, events.features)
     feature_seconds = time.perf_counter() - features_started

@@ -5,6 +5,7 @@ are computed, so an interrupted extraction resumes where it stopped."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +45,11 @@ def target_pass(target: nn.Module, segment: list[int]) -> tuple[torch.Tensor, to
     return hidden[0].cpu(), labels[0].cpu()
 
 
-def _shard_path(folder: Path, number: int) -> Path:
-    return folder / f"shard-{number:05d}.safetensors"
+def _shard_path(folder: Path, segments: list[list[int]]) -> Path:
+    """A shard is named by its segments' content: a longer corpus whose first segments are
+    another's (the default corpus with more --tokens) reuses that one's shards."""
+    digest = hashlib.sha256(json.dumps(segments).encode()).hexdigest()[:16]
+    return folder / f"shard-{digest}.safetensors"
 
 
 def extract(
@@ -61,18 +65,12 @@ def extract(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    manifest = folder / "corpus.json"
-    expected = {"key": corpus.key(), "segments": len(corpus.segments), "description": corpus.description}
-    if not manifest.exists() or json.loads(manifest.read_text()) != expected:
-        for stale in folder.glob("shard-*.safetensors"):
-            stale.unlink()
-        manifest.write_text(json.dumps(expected))
     total = corpus.tokens
     tokens, features, labels = [], [], []
     done = 0
-    for number, first in enumerate(range(0, len(corpus.segments), SEGMENTS_PER_SHARD)):
+    for first in range(0, len(corpus.segments), SEGMENTS_PER_SHARD):
         segments = corpus.segments[first : first + SEGMENTS_PER_SHARD]
-        path = _shard_path(folder, number)
+        path = _shard_path(folder, segments)
         shard = None
         if path.exists():
             try:
