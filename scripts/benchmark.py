@@ -20,6 +20,9 @@ prompt, so slow drift of the machine hits every method alike):
   specgen-tree      specgen-draft drafting token trees (--tree): the draft branches where unsure
   specgen-ngram-tree  specgen-ngram drafting trees of several earlier continuations
   specgen-lookahead lookahead decoding (--draft lookahead): no draft model, a Jacobi window in every pass
+  specgen-medusa    Medusa heads trained by `specgen train medusa` for the target (from the cache)
+  specgen-eagle     the EAGLE head trained by `specgen train eagle` (from the cache)
+  specgen-medusa-tree, specgen-eagle-tree   the same drafting trees
 
 transformers' methods run on the models with PyTorch's stock kernels, as transformers
 loads them; specgen's run as specgen loads them: in float32 on the CPU, its linear layers
@@ -53,7 +56,7 @@ from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
 from speccli.engine.lookahead import LookaheadDrafter
 from speccli.generation.calibration import describe
-from speccli.generation.pipeline import backend_label, causal_lm, model_drafter
+from speccli.generation.pipeline import backend_label, causal_lm, head_drafter, model_drafter
 from speccli.generation.stream import Generator
 from speccli.models.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
@@ -61,8 +64,11 @@ from speccli.models.onednn import set_onednn_linear
 from speccli.stats import speedup
 
 METHODS = ("hf-plain", "hf-assisted", "hf-assisted-int8", "hf-prompt-lookup", "specgen-draft", "specgen-ngram",
-           "specgen-plain", "specgen-tree", "specgen-ngram-tree", "specgen-lookahead")
-TREE_METHODS = ("specgen-tree", "specgen-ngram-tree")
+           "specgen-plain", "specgen-tree", "specgen-ngram-tree", "specgen-lookahead",
+           "specgen-medusa", "specgen-medusa-tree", "specgen-eagle", "specgen-eagle-tree")
+TREE_METHODS = ("specgen-tree", "specgen-ngram-tree", "specgen-medusa-tree", "specgen-eagle-tree")
+HEAD_METHODS = {"specgen-medusa": "medusa", "specgen-medusa-tree": "medusa", "specgen-eagle": "eagle",
+                "specgen-eagle-tree": "eagle"}
 WARMUP_TOKENS = 8
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "default.jsonl"
 
@@ -78,7 +84,8 @@ def strip_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 class Bench:
-    def __init__(self, target, draft, spec_draft, k: int | str, cuda_graphs: str = "auto") -> None:
+    def __init__(self, target, draft, spec_draft, k: int | str, cuda_graphs: str = "auto", methods=None) -> None:
+        self.head_drafters: dict = {}
         self.target = target
         self.draft = draft
         self.spec_draft = spec_draft
@@ -116,6 +123,13 @@ class Bench:
             "specgen-lookahead": Generator.over(target_lm, target.tokenizer, self.eos, LookaheadDrafter(),
                                                 CostProfile(costs.verify_seconds, None) if costs else None),
         }
+        # Heads trained with `specgen train` for this target (from the cache), when a method asks for them.
+        for method, kind in HEAD_METHODS.items():
+            if method in (methods or ()):
+                free = CostProfile(costs.verify_seconds, None) if costs else None
+                drafter = self.head_drafters.get(kind) or head_drafter(target, kind, progress=log)
+                self.head_drafters[kind] = drafter
+                self.generators[method] = Generator.over(target_lm, target.tokenizer, self.eos, drafter, free)
         self.costs = costs
         self.specgen_linear = target.linear
 
@@ -215,7 +229,7 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     target_description = target.describe()
     log(f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; target: {target_description};"
         f" specgen's draft: {spec_draft.describe()}")
-    bench = Bench(target, draft, spec_draft, args.k, args.cuda_graphs)
+    bench = Bench(target, draft, spec_draft, args.k, args.cuda_graphs, methods)
     encoded = [(p, encode_bench_prompt(target.tokenizer, p)) for p in prompts]
 
     # Warm-up: one short generate per method, untimed.
@@ -267,6 +281,8 @@ def run_dtype(dtype: str, args, prompts) -> dict:
               ("specgen-lookahead", "hf-prompt-lookup"),
               ("specgen-tree", "specgen-draft"), ("specgen-tree", "specgen-plain"),
               ("specgen-ngram-tree", "specgen-ngram"), ("specgen-ngram-tree", "specgen-plain")]
+    pairs += [(a, b) for a in HEAD_METHODS for b in ("specgen-plain", "specgen-draft")]
+    pairs += [("specgen-eagle-tree", "specgen-eagle"), ("specgen-medusa-tree", "specgen-medusa")]
     pairs += [(a, "hf-plain") for a in ("hf-assisted", "hf-assisted-int8", "hf-prompt-lookup")]
     ratios = {f"{a} / {b}": speedup(medians[a], medians[b]) for a, b in pairs if a in medians and b in medians}
     # Per-prompt ratios too: the median of ratios is less sensitive to which prompt is slow.

@@ -294,6 +294,11 @@ def test_eagle_state_after_steps_equals_a_fresh_start(pairs, tokenizer):
     new = fresh.propose(context, 4, sampling, torch.Generator().manual_seed(1))
     assert kept.tokens == new.tokens
     torch.testing.assert_close(kept.probs, new.probs, rtol=1e-4, atol=1e-5)
+    # Features handed over again from an earlier position replace what was fed from there.
+    drafter.observe_features(0, lm.last_hidden)
+    again = drafter.propose(context, 4, sampling, torch.Generator().manual_seed(1))
+    assert again.tokens == new.tokens
+    torch.testing.assert_close(again.probs, new.probs, rtol=1e-4, atol=1e-5)
 
 
 def test_a_second_generation_reuses_the_prompt_and_stays_exact(pairs, tokenizer):

@@ -119,6 +119,7 @@ def accuracy_line(kind: str, accuracy: Sequence[float]) -> str:
 
 
 def default_config(kind: str, **overrides: Any) -> TrainConfig:
-    rate = 1e-3 if kind == "medusa" else 3e-4
+    # Tried on the default target and corpus here: 1e-3 (medusa) and 3e-4 (eagle) learned too slowly in 2-8 epochs.
+    rate = 3e-3 if kind == "medusa" else 1e-3
     values = {"kind": kind, "learning_rate": rate, **{k: v for k, v in overrides.items() if v is not None}}
     return TrainConfig(**values)

@@ -213,6 +213,7 @@ class EagleDrafter:
             return
         if start < self._real:
             self._keep_real(start)
+            self._pending = None
         have = self._real + (0 if self._pending is None else len(self._pending))
         if start > have:
             self._reset()  # features are missing for some positions: start again from nothing

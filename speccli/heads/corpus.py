@@ -171,8 +171,9 @@ def _documents(data: Sequence[Path], tokens: Tokens) -> Iterator[list[int]]:
 
 
 def build_corpus(tokenizer: Any, max_tokens: int, data: Sequence[Path] = (), segment_tokens: int = SEGMENT_TOKENS) -> Corpus:
-    """Up to `max_tokens` tokens of the named data (or the default corpus), one stream cut
-    into segments of `segment_tokens` (a shorter tail is dropped)."""
+    """`max_tokens` tokens (rounded up to whole segments) of the named data or the default
+    corpus, as one stream cut into segments of `segment_tokens`; fewer when the text runs out
+    (a shorter tail is dropped)."""
     if max_tokens < segment_tokens:
         raise UsageError(f"--tokens must be at least {segment_tokens}, got {max_tokens}")
     tokens = Tokens(tokenizer)

@@ -34,7 +34,7 @@ class TrainConfig:
     heads: int = 4  # Medusa
     layers: int = 1  # Medusa: residual blocks per head
     vocab: int = 8192  # draft vocabulary size
-    epochs: float = 2.0
+    epochs: float = 4.0
     batch_segments: int = 8
     learning_rate: float = 1e-3
     seed: int = 0
@@ -64,10 +64,6 @@ class TrainReport:
     resumed_from: int = 0
 
 
-def _labels_in(vocab: DraftVocab, labels: torch.Tensor) -> torch.Tensor:
-    return vocab.index_of(labels)
-
-
 class Trainer:
     def __init__(
         self,
@@ -93,7 +89,7 @@ class Trainer:
         self.vocab = DraftVocab.most_frequent(train.labels, config.vocab, vocab_size)
         with torch.no_grad():
             self.rows = target.get_output_embeddings().weight.detach()[self.vocab.ids].float()
-        self.train_labels = _labels_in(self.vocab, train.labels)
+        self.train_labels = self.vocab.index_of(train.labels)
         if config.kind == "medusa":
             self.module: nn.Module = MedusaHeads(target.config.hidden_size, len(self.vocab), config.heads, config.layers)
             self.module.init_output(self.rows)
