@@ -95,3 +95,19 @@ def test_missing_heads_and_bad_kind_exit_2(setup, tmp_path):
     assert bad.returncode == 2 and "unknown kind of heads 'hydra'" in bad.stderr.decode()
     empty = specgen("heads", cache=tmp_path)
     assert empty.returncode == 0 and "no heads trained yet" in empty.stdout.decode()
+
+
+def test_train_progress_without_a_terminal_prints_a_line_every_tenth():
+    from speccli.heads.train import TrainProgress
+    from speccli.ui.progress import TrainProgressDisplay
+
+    lines: list[str] = []
+    display = TrainProgressDisplay(lines.append, bar=False)
+    with display:
+        for done in range(0, 1001, 50):
+            display.features(done, 1000)
+        display.steps(TrainProgress(step=3, steps=3, loss=0.5, seconds=1.0))
+        display.say("saved")
+    assert lines == [f"target features (tokens): {n}/1000" for n in range(0, 1001, 100)] + [
+        "training (steps): 3/3, loss 0.500", "saved",
+    ]

@@ -31,24 +31,21 @@ def stderr_progress(quiet: bool) -> Callable[[str], None]:
     return progress
 
 
-class BenchProgressDisplay:
-    """Shows speccli.commands.bench_runner.BenchProgress events: a Rich progress bar on a
-    terminal, otherwise one line per event through `say`."""
+class _BarDisplay:
+    """A Rich progress bar on stderr while entered (None when not on a terminal)."""
 
-    def __init__(self, say: Callable[[str], None], bar: bool) -> None:
-        self.say = say
+    def __init__(self, bar: bool, remaining: bool = False) -> None:
         self.bar = None
         if bar:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-            self.bar = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                console=Console(stderr=True), transient=True,
-            )
-            self.task = self.bar.add_task("bench", total=None)
+            columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+            if remaining:
+                columns.append(TimeRemainingColumn())
+            self.bar = Progress(*columns, console=Console(stderr=True), transient=True)
 
-    def __enter__(self) -> "BenchProgressDisplay":
+    def __enter__(self):
         if self.bar is not None:
             self.bar.start()
         return self
@@ -56,6 +53,17 @@ class BenchProgressDisplay:
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+class BenchProgressDisplay(_BarDisplay):
+    """Shows speccli.commands.bench_runner.BenchProgress events: a Rich progress bar on a
+    terminal, otherwise one line per event through `say`."""
+
+    def __init__(self, say: Callable[[str], None], bar: bool) -> None:
+        super().__init__(bar)
+        self.say = say
+        if self.bar is not None:
+            self.task = self.bar.add_task("bench", total=None)
 
     def update(self, state) -> None:
         if self.bar is None:
@@ -66,32 +74,16 @@ class BenchProgressDisplay:
             self.bar.console.print(state.describe(), highlight=False)
 
 
-class TrainProgressDisplay:
+class TrainProgressDisplay(_BarDisplay):
     """`specgen train`'s progress: the target's pass over the text, then the training steps;
     a Rich bar on a terminal, otherwise a line every 10%."""
 
     def __init__(self, say: Callable[[str], None], bar: bool) -> None:
+        super().__init__(bar, remaining=True)
         self._say = say
-        self.bar = None
         self._task = None
-        self._shown: dict[str, int] = {}
-        if bar:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TimeRemainingColumn(), console=Console(stderr=True), transient=True,
-            )
-
-    def __enter__(self) -> "TrainProgressDisplay":
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        self._phase: str | None = None  # the phase the bar shows
+        self._shown: dict[str, int] = {}  # per phase, the last tenth printed (no bar)
 
     def say(self, message: str) -> None:
         if self.bar is not None:
@@ -101,11 +93,11 @@ class TrainProgressDisplay:
 
     def _update(self, phase: str, done: int, total: int, detail: str = "") -> None:
         if self.bar is not None:
-            if self._task is None or self._shown.get("phase") != phase:
+            if self._task is None or self._phase != phase:
                 if self._task is not None:
                     self.bar.remove_task(self._task)
                 self._task = self.bar.add_task(phase, total=total)
-                self._shown["phase"] = phase
+                self._phase = phase
             self.bar.update(self._task, total=total, completed=done, description=f"{phase}{detail}")
             return
         tenth = (10 * done) // max(1, total)
