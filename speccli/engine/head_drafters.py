@@ -21,7 +21,7 @@ from speccli.engine.backends import common_prefix_length
 from speccli.engine.coupling import Noise
 from speccli.engine.drafters import Draft, draw
 from speccli.engine.tree import ROOT, TokenTree, TreeShape
-from speccli.engine.tree_drafters import grow_tree
+from speccli.engine.tree_drafters import feed_window, grow_tree
 from speccli.heads.eagle import EagleHead
 from speccli.heads.medusa import MedusaHeads
 from speccli.heads.vocab import DraftVocab
@@ -326,18 +326,9 @@ class _EagleSource:
 
     def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int) -> list[torch.Tensor]:
         drafter = self.drafter
-        fed = len(self.window)
-        for offset, node in enumerate(nodes):
-            self.window[node] = fed + offset
         real = drafter._real
-        width = real + fed + len(nodes)
-        seen = torch.zeros((len(nodes), width), dtype=torch.bool)
-        seen[:, :real] = True
-        for row, node in enumerate(nodes):
-            ancestor = node
-            while ancestor != ROOT:
-                seen[row, real + self.window[ancestor]] = True
-                ancestor = parents[ancestor]
+        # Every real entry, then the drafted ones as feed_window says.
+        seen = torch.cat([torch.ones((len(nodes), real), dtype=torch.bool), feed_window(self.window, nodes, parents)], dim=1)
         hidden = torch.finfo(drafter.dtype).min
         mask = torch.zeros(seen.shape, dtype=drafter.dtype).masked_fill_(~seen, hidden)[None, None].to(drafter.device)
         if drafter._cache is None:

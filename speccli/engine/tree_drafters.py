@@ -114,6 +114,21 @@ class TreeSource(Protocol):
         ...
 
 
+def feed_window(window: dict[int, int], nodes: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+    """Append `nodes` to a drafter's window of fed tree nodes (node -> offset in feeding
+    order) and return which window entries each sees: itself and its ancestors, [n, window]."""
+    fed = len(window)
+    for offset, node in enumerate(nodes):
+        window[node] = fed + offset
+    visible = torch.zeros((len(nodes), fed + len(nodes)), dtype=torch.bool)
+    for row, node in enumerate(nodes):
+        ancestor = node
+        while ancestor != ROOT:
+            visible[row, window[ancestor]] = True
+            ancestor = parents[ancestor]
+    return visible
+
+
 class DraftModelSource:
     """A draft model's distributions: the nodes chosen at each depth are fed together in
     one tree pass over the draft's own cache, after the whole context."""
@@ -129,15 +144,7 @@ class DraftModelSource:
         return self.drafter.aligned(row)
 
     def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int) -> list[torch.Tensor]:
-        fed = len(self.window)
-        for offset, node in enumerate(nodes):
-            self.window[node] = fed + offset
-        visible = torch.zeros((len(nodes), fed + len(nodes)), dtype=torch.bool)
-        for row_index, node in enumerate(nodes):
-            ancestor = node
-            while ancestor != ROOT:
-                visible[row_index, self.window[ancestor]] = True
-                ancestor = parents[ancestor]
+        visible = feed_window(self.window, nodes, parents)
         positions = [self.base - 1 + depth] * len(nodes)
         readable = self.drafter.readable([tokens[n] for n in nodes])
         rows = self.drafter.model.forward_tree(readable, positions, visible, self.base)
