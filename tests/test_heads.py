@@ -273,6 +273,20 @@ def test_head_drafts_equal_target_greedy(trained, kind, backend, k, tree):
         assert accepted > (0 if tree else 5)
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_every_tree_step_has_the_features_it_needs(trained, kind):
+    """After a tree step the decoder hands over the path's features, then rolls the drafter
+    back to the settled text: the feature of the last settled token must survive that, or
+    the next tree is empty."""
+    tokenizer, target = trained[0], trained[1]
+    decoder = SpeculativeDecoder(wrap(target), tokenizer, [EOS], trained_drafter(trained, kind))
+    ids = encode(tokenizer, CODE_PROMPTS[0])
+    events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=3, max_new_tokens=24, tree=True)))
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    # (The last step may have no room left to draft.)
+    assert len(steps) > 3 and all(e.tree and e.fed > 1 for e in steps[:-1]), [(e.fed, e.accepted) for e in steps]
+
+
 def test_eagle_state_after_steps_equals_a_fresh_start(pairs, tokenizer):
     """The draft's cache after rollbacks and real features is what a fresh drafter builds
     from the same context: same draft, same q."""

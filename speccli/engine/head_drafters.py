@@ -308,8 +308,9 @@ class EagleDrafter:
         if self._real > length - 1:
             self._keep_real(max(0, length - 1))
             self._pending = None
-        elif self._pending is not None and self._real + len(self._pending) > length - 1:
-            self._pending = self._pending[: max(0, length - 1 - self._real)]
+        elif self._pending is not None and self._real + len(self._pending) > length:
+            # The feature of position p read context[: p + 1]: it stands while p < length.
+            self._pending = self._pending[: max(0, length - self._real)]
 
 
 class _EagleSource:
