@@ -391,7 +391,7 @@ def test_corpus_from_jsonl_and_refusals(tmp_path, tokenizer):
 def test_default_corpus_is_the_standard_library(tokenizer):
     corpus = build_corpus(tokenizer, 4096, segment_tokens=256)
     assert corpus.tokens == 4096 and corpus.description.startswith("default")
-    assert corpus.key() == build_corpus(tokenizer, 4096, segment_tokens=256).key()  # the same on every run
+    assert corpus.segments == build_corpus(tokenizer, 4096, segment_tokens=256).segments  # the same on every run
 
 
 def test_heads_dataclass_state_names(trained):

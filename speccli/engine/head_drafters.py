@@ -57,10 +57,6 @@ class MedusaDrafter:
         self._feature: torch.Tensor | None = None
         self._position = -1  # the position self._feature belongs to
 
-    @property
-    def max_k(self) -> int:
-        return self.heads.heads
-
     def start(self, context: Sequence[int]) -> None:
         # A feature does not say which tokens it read: one from before this generation is
         # not trusted (the decoder feeds the target the last settled token again instead).

@@ -43,12 +43,6 @@ class Corpus:
     def tokens(self) -> int:
         return sum(len(s) for s in self.segments)
 
-    def key(self) -> str:
-        digest = hashlib.sha256()
-        for segment in self.segments:
-            digest.update(json.dumps(segment).encode())
-        return digest.hexdigest()[:16]
-
     def split(self) -> tuple[list[int], list[int]]:
         """Indices of the training and held-out segments."""
         held = [i for i in range(len(self.segments)) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]

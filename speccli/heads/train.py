@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -50,18 +50,6 @@ class TrainProgress:
     steps: int
     loss: float | None
     seconds: float
-
-
-@dataclass
-class TrainReport:
-    steps: int
-    seconds: float
-    train_tokens: int
-    held_out_tokens: int
-    accuracy: list[float]  # held-out top-1: per Medusa head; EAGLE: its first token
-    vocab_coverage: float  # held-out labels the draft vocabulary holds
-    losses: list[float] = field(default_factory=list)  # mean loss per tenth of training
-    resumed_from: int = 0
 
 
 class Trainer:
