@@ -75,12 +75,13 @@ class ModelOptions:
     trust_remote_code: bool
     cpu_linear: str = "auto"
     cuda_graphs: str = "auto"
+    backend: str = "auto"
 
     def configs(self) -> tuple[LoadConfig, LoadConfig]:
         try:
             target = LoadConfig(
                 self.device, self.dtype, self.quant, self.trust_remote_code, cpu_linear=self.cpu_linear,
-                cuda_graphs=self.cuda_graphs,
+                cuda_graphs=self.cuda_graphs, backend=self.backend,
             )
             draft = LoadConfig(
                 self.draft_device or self.device,
@@ -90,6 +91,7 @@ class ModelOptions:
                 for_draft=True,
                 cpu_linear=self.cpu_linear,
                 cuda_graphs=self.cuda_graphs,
+                backend=self.backend,
             )
         except ValueError as error:
             raise UsageError(str(error)) from None
@@ -134,6 +136,7 @@ DraftDtypeOpt = Annotated[Optional[str], typer.Option("--draft-dtype", help="dty
 DraftQuantOpt = Annotated[Optional[str], typer.Option("--draft-quant", help="Quantization for the draft (default: --quant). int8 halves a CPU draft token's cost; the output stays the target's own.")]
 CpuLinearOpt = Annotated[str, typer.Option("--cpu-linear", help="auto: float32 linear layers on the CPU run through oneDNN (same float32 math, passes 1.5-2.5x faster than PyTorch's default there); stock: PyTorch's default kernels.")]
 CudaGraphsOpt = Annotated[str, typer.Option("--cuda-graphs", help="auto: on CUDA, bfloat16/float16 and 4/8-bit models decode over a static KV cache replayed as CUDA graphs (2-5x faster passes); off: transformers' DynamicCache, as on the CPU.")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"speccli[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
 TreeOpt = Annotated[bool, typer.Option("--tree", help="Draft a tree of candidates k deep instead of one chain: the draft model branches where it is unsure (ngram: several earlier continuations) and one target pass checks every branch; its size follows the measured pass costs. Pays where a pass over many tokens costs little more than one (bfloat16 on CPUs with bf16 units, GPUs).")]
@@ -160,9 +163,11 @@ def generate(
     draft_device: DraftDeviceOpt = None,
     draft_dtype: DraftDtypeOpt = None,
     draft_quant: DraftQuantOpt = None,
-    trust_remote_code: TrustRemoteCodeOpt = False,
+    trust_remote_code: BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"speccli[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
+TrustRemoteCodeOpt = False,
     cpu_linear: CpuLinearOpt = "auto",
     cuda_graphs: CudaGraphsOpt = "auto",
+    backend: BackendOpt = "auto",
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, provenance, statistics) instead of the text."),
     stats: bool = typer.Option(False, "--stats", help="Print statistics to stderr when done."),
     recalibrate: RecalibrateOpt = False,
@@ -174,7 +179,7 @@ def generate(
     """
     options = ModelOptions(
         target or _default_target(), draft or _default_draft(), device, dtype, quant,
-        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear, cuda_graphs,
+        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear, cuda_graphs, backend,
     )
 
     def body() -> int:
@@ -228,16 +233,18 @@ def chat(
     draft_device: DraftDeviceOpt = None,
     draft_dtype: DraftDtypeOpt = None,
     draft_quant: DraftQuantOpt = None,
-    trust_remote_code: TrustRemoteCodeOpt = False,
+    trust_remote_code: BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"speccli[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
+TrustRemoteCodeOpt = False,
     cpu_linear: CpuLinearOpt = "auto",
     cuda_graphs: CudaGraphsOpt = "auto",
+    backend: BackendOpt = "auto",
     no_color: bool = typer.Option(False, "--no-color", help="No colours (also off when NO_COLOR is set or stdout is not a terminal)."),
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     options = ModelOptions(
         target or _default_target(), draft or _default_draft(), device, dtype, quant,
-        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear, cuda_graphs,
+        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear, cuda_graphs, backend,
     )
 
     def body() -> int:
@@ -283,9 +290,11 @@ def bench(
     draft_device: DraftDeviceOpt = None,
     draft_dtype: DraftDtypeOpt = None,
     draft_quant: DraftQuantOpt = None,
-    trust_remote_code: TrustRemoteCodeOpt = False,
+    trust_remote_code: BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"speccli[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
+TrustRemoteCodeOpt = False,
     cpu_linear: CpuLinearOpt = "auto",
     cuda_graphs: CudaGraphsOpt = "auto",
+    backend: BackendOpt = "auto",
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -297,7 +306,7 @@ def bench(
     """
     options = ModelOptions(
         target or _default_target(), draft or _default_draft(), device, dtype, quant,
-        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear, cuda_graphs,
+        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear, cuda_graphs, backend,
     )
 
     def body() -> int:
@@ -391,7 +400,8 @@ def train(
     seed: int = typer.Option(0, "--seed", help="Seed for initialisation and data order."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    trust_remote_code: TrustRemoteCodeOpt = False,
+    trust_remote_code: BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"speccli[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
+TrustRemoteCodeOpt = False,
     as_json: bool = typer.Option(False, "--json", help="Print the training record as JSON on stdout."),
     quiet: QuietOpt = False,
 ) -> None:
@@ -402,8 +412,10 @@ def train(
     saves a checkpoint: the same command resumes. Prints held-out top-1 accuracy and where
     the heads were saved.
     """
+    # Heads learn from the target's hidden states: transformers' backends hand them out.
     options = ModelOptions(
         target or _default_target(), "none", device, dtype, "none", None, None, None, trust_remote_code,
+        backend="transformers",
     )
 
     def body() -> int:

@@ -90,6 +90,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTS = ("auto", "4bit", "8bit", "int8", "none")
 CPU_LINEAR = ("auto", "stock")
 CUDA_GRAPHS = ("auto", "off")
+BACKENDS = ("auto", "transformers", "llama.cpp")
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class LoadConfig:
     cuda_graphs: auto runs a model on CUDA in bfloat16/float16 or bitsandbytes 4/8-bit over a
     static KV cache replayed as CUDA graphs (speccli.engine.static_backend); off, and every
     model on the CPU, keeps transformers' DynamicCache (speccli.engine.backends.HFCausalLM).
+    backend: auto runs a GGUF file on the CPU through llama.cpp when llama-cpp-python is
+    installed (speccli.engine.llamacpp_backend), everything else through transformers.
     """
 
     device: str = "auto"
@@ -114,6 +117,7 @@ class LoadConfig:
     for_draft: bool = False
     cpu_linear: str = "auto"
     cuda_graphs: str = "auto"
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -124,5 +128,7 @@ class LoadConfig:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
         if self.cpu_linear not in CPU_LINEAR:
             raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR)}, got {self.cpu_linear!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")

@@ -20,6 +20,7 @@ import torch
 
 from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import ModelDrafter
+from speccli.engine.llamacpp_backend import llama_cpp_version
 from speccli.engine.policy import AcceptancePrior
 from speccli.models import offline
 from speccli.models.loading import LoadedModel, cpu_name, dtype_name
@@ -36,6 +37,7 @@ def _model_identity(model: LoadedModel) -> dict[str, str]:
         "quant": model.quant,
         "linear": model.linear,
         "device": str(model.device),
+        "backend": model.backend,
     }
 
 
@@ -55,6 +57,7 @@ def calibration_identity(pipeline: Pipeline, max_fed: int) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        **({"llama_cpp": llama_cpp_version()} if pipeline.target.backend == "llama.cpp" else {}),
     }
 
 

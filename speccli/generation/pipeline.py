@@ -3,7 +3,7 @@ and put behind one decoder, and the Generator every surface generates through.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -13,6 +13,7 @@ from speccli.config import LoadConfig
 from speccli.engine.backends import CausalLM, HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import DEFAULT_STOP_CONFIDENCE, Drafter, ModelDrafter, PromptLookupDrafter
+from speccli.engine.llamacpp_backend import LlamaCppLM
 from speccli.engine.lookahead import LookaheadDrafter
 from speccli.engine.static_backend import StaticCausalLM, static_cache_problem
 from speccli.models.compat import check_tokenizers_compatible, shared_vocab
@@ -93,9 +94,11 @@ def load_pipeline(
 
     Both tokenizers are loaded and compared before any weights, so that a mismatched
     draft is refused in seconds."""
-    pending_target = load_tokenizer(target_name, target_config, progress=progress)
     key = draft_name.strip().lower()
     heads = head_draft(draft_name)
+    if heads is not None:
+        target_config = _transformers_for_heads(target_config, heads[0])
+    pending_target = load_tokenizer(target_name, target_config, progress=progress)
     pending_draft = None
     if key not in (NGRAM_DRAFT, LOOKAHEAD_DRAFT, NO_DRAFT) and heads is None:
         pending_draft = load_tokenizer(draft_name, draft_config, progress=progress)
@@ -120,6 +123,18 @@ def load_pipeline(
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
 
 
+def _transformers_for_heads(config: LoadConfig, kind: str) -> LoadConfig:
+    """Heads read the target's hidden states, which only the transformers backends hand out."""
+    from speccli.models.errors import ModelLoadError
+
+    if config.backend == "llama.cpp":
+        raise ModelLoadError(
+            f"{kind} heads read the target's hidden states, which the llama.cpp backend does not hand out",
+            hint="use --backend transformers (or auto) with --draft medusa/eagle",
+        )
+    return replace(config, backend="transformers")
+
+
 def uses_cuda_graphs(loaded: LoadedModel, cuda_graphs: str = "auto") -> bool:
     """Whether `cuda_graphs` (auto/off) puts this model on the static-cache backend with CUDA
     graphs: auto does on CUDA for bfloat16/float16 weights and bitsandbytes 4/8-bit models, when
@@ -133,14 +148,19 @@ def uses_cuda_graphs(loaded: LoadedModel, cuda_graphs: str = "auto") -> bool:
 
 
 def causal_lm(loaded: LoadedModel, cuda_graphs: str = "auto") -> CausalLM:
-    """The backend a loaded model decodes through (see `uses_cuda_graphs`)."""
+    """The backend a loaded model decodes through: llama.cpp for a model loaded by it, else
+    transformers (see `uses_cuda_graphs`)."""
+    if loaded.backend == "llama.cpp":
+        return LlamaCppLM(loaded.model)
     if uses_cuda_graphs(loaded, cuda_graphs):
         return StaticCausalLM(loaded.model, graphs=True)
     return HFCausalLM(loaded.model)
 
 
 def backend_label(lm: CausalLM) -> str:
-    """dynamic-cache, static-cache, or static-cache+cuda-graphs (for reports)."""
+    """llama.cpp, dynamic-cache, static-cache, or static-cache+cuda-graphs (for reports)."""
+    if isinstance(lm, LlamaCppLM):
+        return "llama.cpp"
     if isinstance(lm, StaticCausalLM):
         return "static-cache+cuda-graphs" if lm.graphs_enabled else "static-cache"
     return "dynamic-cache"

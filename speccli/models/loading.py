@@ -102,6 +102,7 @@ class LoadedModel:
     quant: str  # "none", "4bit", "8bit" or "gguf→<dtype>"
     load_seconds: float
     linear: str = "stock"  # "onednn" when float32 linear layers run through oneDNN
+    backend: str = "transformers"  # or "llama.cpp" (then `model` is a LlamaCppWeights)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -131,6 +132,11 @@ class LoadedModel:
     def describe(self) -> str:
         """One line for status output, e.g.
         ``smollm2-135m: offline-package, float32 (gguf→float32), oneDNN linear on cpu, loaded in 10.8 s``."""
+        if self.backend == "llama.cpp":
+            return (
+                f"{self.name}: {self.resolved.kind}, llama.cpp ({self.model.description}, {self.model.threads} threads)"
+                f" on {self.device}, loaded in {self.load_seconds:.1f} s"
+            )
         quant = "" if self.quant == "none" else f" ({self.quant})"
         linear = ", oneDNN linear" if self.linear == "onednn" else ""
         return (
@@ -345,6 +351,38 @@ def choose_quant(requested: str, device: torch.device, *, gguf: bool = False, dr
             hint="pip install bitsandbytes (0.48 or later also quantizes on the CPU), or use --quant none",
         )
     return requested
+
+
+def choose_backend(config: LoadConfig, resolved: ResolvedModel, device: torch.device) -> str:
+    """"transformers" or "llama.cpp". auto takes llama.cpp for a GGUF file on the CPU when
+    llama-cpp-python is installed and no --dtype or --quant asks for transformers' own
+    dequantized weights; an explicit llama.cpp that cannot apply is a ModelLoadError."""
+    from speccli.engine.llamacpp_backend import INSTALL_HINT, llama_cpp_problem
+
+    if config.backend == "transformers":
+        return "transformers"
+    if config.backend == "auto":
+        fits = resolved.is_gguf and device.type == "cpu" and config.dtype == "auto" and config.quant == "auto"
+        return "llama.cpp" if fits and llama_cpp_problem() is None else "transformers"
+    if not resolved.is_gguf:
+        raise ModelLoadError(
+            f"--backend llama.cpp runs GGUF files, and {resolved.description} is not one",
+            hint="give a .gguf file or an offline alias (specgen models), or drop --backend",
+        )
+    if device.type != "cpu":
+        raise ModelLoadError(
+            f"--backend llama.cpp runs on the CPU here, not on {device}",
+            hint="add --device cpu, or use --backend transformers for the GPU",
+        )
+    if config.dtype != "auto" or config.quant != "auto":
+        raise ModelLoadError(
+            "--backend llama.cpp runs the GGUF file's own quantization: --dtype and --quant do not apply",
+            hint="drop --dtype/--quant, or use --backend transformers to dequantize the file",
+        )
+    problem = llama_cpp_problem()
+    if problem is not None:
+        raise ModelLoadError(f"--backend llama.cpp is not available: {problem}", hint=INSTALL_HINT)
+    return "llama.cpp"
 
 
 # --------------------------------------------------------------------------- errors
@@ -609,6 +647,7 @@ class PendingModel:
     dtype: torch.dtype
     quant: str  # as chosen: "none", "int8", "4bit" or "8bit"
     tokenizer_seconds: float  # resolving and loading the tokenizer took this long
+    backend: str = "transformers"  # as chosen by choose_backend
 
 
 def load_tokenizer(
@@ -632,7 +671,8 @@ def load_tokenizer(
     # Decide everything that can fail cheaply before assembling or loading anything.
     device = choose_device(config.device)
     peek = resolve(name, cache, assemble=False)
-    quant = choose_quant(config.quant, device, gguf=peek.is_gguf, draft=config.for_draft)
+    backend = choose_backend(config, peek, device)
+    quant = "none" if backend == "llama.cpp" else choose_quant(config.quant, device, gguf=peek.is_gguf, draft=config.for_draft)
     dtype = _int8_dtype(config) if quant == "int8" else choose_dtype(config.dtype, device, quant)
     if config.quant == "auto" and device.type == "cuda" and quant == "none" and not peek.is_gguf:
         say(f"bitsandbytes is unavailable ({_bitsandbytes_problem()}): loading {name} unquantized")
@@ -647,7 +687,9 @@ def load_tokenizer(
             tokenizer = _from_pretrained(
                 AutoTokenizer.from_pretrained, resolved, {"trust_remote_code": config.trust_remote_code}
             )
-    return PendingModel(name, config, resolved, tokenizer, device, dtype, quant, time.perf_counter() - started)
+    if backend == "llama.cpp":
+        dtype = torch.float32  # the logits' dtype: the weights keep the file's own quantization
+    return PendingModel(name, config, resolved, tokenizer, device, dtype, quant, time.perf_counter() - started, backend)
 
 
 def load_weights(pending: PendingModel, progress: Progress | None = None) -> LoadedModel:
@@ -659,6 +701,8 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
     from transformers import AutoModelForCausalLM
 
     started = time.perf_counter()
+    if pending.backend == "llama.cpp":
+        return _load_llama_cpp(pending, say, started)
     if quant != "none":
         _quiet_bitsandbytes()
     with _explaining(name, resolved, quant, device):
@@ -693,6 +737,31 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
         quant=(f"gguf→{'int8' if quant == 'int8' else dtype_name(dtype)}" if resolved.is_gguf else quant),
         load_seconds=pending.tokenizer_seconds + time.perf_counter() - started,
         linear=linear,
+    )
+
+
+def _load_llama_cpp(pending: PendingModel, say: Progress, started: float) -> LoadedModel:
+    from speccli.engine.llamacpp_backend import LlamaCppError, LlamaCppWeights
+
+    path = pending.resolved.gguf_path
+    say(f"loading {pending.name}: {pending.resolved.gguf_file} through llama.cpp on cpu (memory-mapped)")
+    try:
+        weights = LlamaCppWeights.load(path)
+    except LlamaCppError as exc:
+        raise ModelLoadError(
+            f"cannot load {pending.name!r} ({pending.resolved.description}) through llama.cpp: {exc}",
+            hint="check the file (specgen models), or use --backend transformers",
+        ) from exc
+    return LoadedModel(
+        name=pending.name,
+        resolved=pending.resolved,
+        model=weights,
+        tokenizer=pending.tokenizer,
+        device=pending.device,
+        dtype=pending.dtype,
+        quant="gguf (llama.cpp)",
+        load_seconds=pending.tokenizer_seconds + time.perf_counter() - started,
+        backend="llama.cpp",
     )
 
 
