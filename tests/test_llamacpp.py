@@ -20,12 +20,12 @@ from speccli.models import offline
 from speccli.models.errors import ModelLoadError
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
-# Logits of the same token from passes of different shapes: llama.cpp's kernels differ by
-# batch size, so they agree to about this much (SmolLM2's logits are around 10-30).
-PASS_SHAPE_TOLERANCE = 0.05
-# After a tree step the kept path's cells are not contiguous; passes over such a cache
-# round differently again (seen: up to 0.65 on SmolLM2).
-CELL_ORDER_TOLERANCE = 1.0
+# Logits of the same token from passes of different shapes, or over a cache whose cells lie
+# in another order (after a tree step): llama.cpp's kernels differ by pass size and sum
+# over cells in their order, so they agree only to about this much (seen: up to 0.76 on
+# SmolLM2, whose logits run from about -15 to 30). A wrong mask or position moves them by
+# several units: the tree test checks that the other branch's logits lie beyond it.
+ROUNDING = 1.0
 
 
 # --------------------------------------------------------------------------- the tree plan (no llama.cpp needed)
@@ -133,6 +133,14 @@ def smollm2(tmp_path_factory):
     return loaded, messages
 
 
+def _same_argmax_but_near_ties(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Rows of a and b pick the same token, except where b's top two lie within ROUNDING."""
+    for row_a, row_b in zip(a, b):
+        if int(row_a.argmax()) != int(row_b.argmax()):
+            top = row_b.topk(2).values
+            assert float(top[0] - top[1]) < ROUNDING
+
+
 def _lm(loaded):
     from speccli.engine.llamacpp_backend import LlamaCppLM
 
@@ -175,8 +183,8 @@ def test_one_pass_over_many_tokens_gives_the_logits_of_one_token_passes(smollm2)
     rows = torch.cat([single.forward([token]) for token in ids])
     assert batched.shape == rows.shape == (len(ids), 49152)
     assert batched.dtype == torch.float32
-    assert (batched - rows).abs().max() < PASS_SHAPE_TOLERANCE
-    assert torch.equal(batched.argmax(-1), rows.argmax(-1))
+    assert (batched - rows).abs().max() < ROUNDING
+    _same_argmax_but_near_ties(batched, rows)
     last_only = _lm(loaded).forward(ids, all_logits=False)
     assert torch.equal(last_only, batched[-1:])
 
@@ -237,13 +245,15 @@ def test_a_tree_pass_scores_every_path_as_its_own_chain_and_keeps_one(smollm2):
     lm.forward(context)
     positions = [20 + d for d in tree.fed_depths()]
     logits = lm.forward_tree(fed, positions, tree.visibility(), 20)
+    chains = []
     for path in ([pending, ids[21], ids[22]], [pending, 1000, ids[21]]):
         chain = _lm(loaded)
         chain.forward(context)
-        expected = chain.forward(path)
-        rows = [0, 1, 3] if path[1] == ids[21] else [0, 2, 4]
-        assert (logits[rows] - expected).abs().max() < PASS_SHAPE_TOLERANCE
-        assert torch.equal(logits[rows].argmax(-1), expected.argmax(-1))
+        chains.append(chain.forward(path))
+    for rows, expected, other in (([0, 1, 3], chains[0], chains[1]), ([0, 2, 4], chains[1], chains[0])):
+        assert (logits[rows] - expected).abs().max() < ROUNDING
+        _same_argmax_but_near_ties(logits[rows], expected)
+        assert (logits[rows[1:]] - other[1:]).abs().amax(-1).min() > 4 * ROUNDING
     # Keep the second branch (fed offsets 0, 2, 4): the cache is then the context and that path.
     lm.keep(20, [0, 2, 4])
     assert list(lm.cached_tokens) == context + [pending, 1000, ids[21]]
@@ -256,8 +266,8 @@ def test_a_tree_pass_scores_every_path_as_its_own_chain_and_keeps_one(smollm2):
     # The kept cells are not contiguous, and llama.cpp's attention sums over cells in
     # their order: the next pass rounds differently from the chain's (see the module).
     after, expected = lm.forward([ids[23]]), chain.forward([ids[23]])
-    assert (after - expected).abs().max() < CELL_ORDER_TOLERANCE
-    assert torch.equal(after.argmax(-1), expected.argmax(-1))
+    assert (after - expected).abs().max() < ROUNDING
+    _same_argmax_but_near_ties(after, expected)
 
 
 def test_tree_passes_grow_over_several_passes_and_roll_back(smollm2):
@@ -271,7 +281,7 @@ def test_tree_passes_grow_over_several_passes_and_roll_back(smollm2):
     chain = _lm(loaded)
     chain.forward(ids[:20])
     expected = chain.forward([1000, ids[21]])[-1:]
-    assert (second - expected).abs().max() < PASS_SHAPE_TOLERANCE
+    assert (second - expected).abs().max() < ROUNDING
     lm.rollback(20)
     assert list(lm.cached_tokens) == ids[:20]
     fresh = _lm(loaded)
@@ -316,4 +326,4 @@ def test_speculation_on_llama_cpp_keeps_its_own_plain_greedy_output(smollm2, nam
     tokens, drafted = _greedy(loaded, drafter, 4, tree)
     assert drafted > 0
     gap = _near_tie_divergence(loaded, reference, tokens)
-    assert gap is None or gap < PASS_SHAPE_TOLERANCE, f"diverged at a gap of {gap}"
+    assert gap is None or gap < ROUNDING, f"diverged at a gap of {gap}"
