@@ -86,12 +86,16 @@ class Bench:
         self.methods = methods
 
     def _llamacpp(self, method: str, ids: list[int], max_new: int) -> tuple[list[int], dict]:
-        """The bare loops: prefill, then one llama_decode per token."""
+        """The bare loops: prefill, then one llama_decode per new token (decode time counts
+        every new token's pass, as specgen's statistics do)."""
         lm = self.lm
         lm.rollback(0)
         started = time.perf_counter()
-        logits = lm.forward(ids, all_logits=False)[-1].numpy()
+        # Prefilled as specgen's decoder does (all but the last token, then the last one
+        # alone), so that specgen-plain computes the very same passes.
+        lm.forward(ids[:-1], all_logits=False)
         prefill = time.perf_counter() - started
+        logits = lm.forward(ids[-1:], all_logits=False)[-1].numpy()
         token = int(np.argmax(logits))
         tokens = [token]
         if method == "llamacpp-tg":
@@ -101,7 +105,7 @@ class Bench:
                 token = int(np.argmax(lm.forward([token], all_logits=False)[-1].numpy()))
                 tokens.append(token)
         decode = time.perf_counter() - started - prefill
-        return tokens, {"decode_seconds": decode, "decode_tokens": len(tokens) - 1}
+        return tokens, {"decode_seconds": decode, "decode_tokens": len(tokens)}
 
     @staticmethod
     def _tg(lm: LlamaCppLM, start: int, count: int, token: int) -> list[int]:

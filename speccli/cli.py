@@ -136,7 +136,7 @@ DraftDtypeOpt = Annotated[Optional[str], typer.Option("--draft-dtype", help="dty
 DraftQuantOpt = Annotated[Optional[str], typer.Option("--draft-quant", help="Quantization for the draft (default: --quant). int8 halves a CPU draft token's cost; the output stays the target's own.")]
 CpuLinearOpt = Annotated[str, typer.Option("--cpu-linear", help="auto: float32 linear layers on the CPU run through oneDNN (same float32 math, passes 1.5-2.5x faster than PyTorch's default there); stock: PyTorch's default kernels.")]
 CudaGraphsOpt = Annotated[str, typer.Option("--cuda-graphs", help="auto: on CUDA, bfloat16/float16 and 4/8-bit models decode over a static KV cache replayed as CUDA graphs (2-5x faster passes); off: transformers' DynamicCache, as on the CPU.")]
-BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"speccli[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"specgen[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
 TreeOpt = Annotated[bool, typer.Option("--tree", help="Draft a tree of candidates k deep instead of one chain: the draft model branches where it is unsure (ngram: several earlier continuations) and one target pass checks every branch; its size follows the measured pass costs. Pays where a pass over many tokens costs little more than one (bfloat16 on CPUs with bf16 units, GPUs).")]
@@ -163,8 +163,7 @@ def generate(
     draft_device: DraftDeviceOpt = None,
     draft_dtype: DraftDtypeOpt = None,
     draft_quant: DraftQuantOpt = None,
-    trust_remote_code: BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"speccli[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
-TrustRemoteCodeOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     cpu_linear: CpuLinearOpt = "auto",
     cuda_graphs: CudaGraphsOpt = "auto",
     backend: BackendOpt = "auto",
@@ -233,8 +232,7 @@ def chat(
     draft_device: DraftDeviceOpt = None,
     draft_dtype: DraftDtypeOpt = None,
     draft_quant: DraftQuantOpt = None,
-    trust_remote_code: BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"speccli[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
-TrustRemoteCodeOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     cpu_linear: CpuLinearOpt = "auto",
     cuda_graphs: CudaGraphsOpt = "auto",
     backend: BackendOpt = "auto",
@@ -290,8 +288,7 @@ def bench(
     draft_device: DraftDeviceOpt = None,
     draft_dtype: DraftDtypeOpt = None,
     draft_quant: DraftQuantOpt = None,
-    trust_remote_code: BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"speccli[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
-TrustRemoteCodeOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     cpu_linear: CpuLinearOpt = "auto",
     cuda_graphs: CudaGraphsOpt = "auto",
     backend: BackendOpt = "auto",
@@ -400,8 +397,7 @@ def train(
     seed: int = typer.Option(0, "--seed", help="Seed for initialisation and data order."),
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    trust_remote_code: BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"speccli[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
-TrustRemoteCodeOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     as_json: bool = typer.Option(False, "--json", help="Print the training record as JSON on stdout."),
     quiet: QuietOpt = False,
 ) -> None:

@@ -96,7 +96,7 @@ def test_an_explicit_llama_cpp_backend_is_refused_with_a_hint_when_it_cannot_app
     monkeypatch.setattr("speccli.engine.llamacpp_backend.llama_cpp_problem", lambda: "llama-cpp-python is not installed")
     with pytest.raises(ModelLoadError, match="not available: llama-cpp-python is not installed") as error:
         loading.choose_backend(LoadConfig(backend="llama.cpp"), gguf, cpu)
-    assert 'pip install "speccli[llamacpp]"' in error.value.hint
+    assert 'pip install "specgen[llamacpp]"' in error.value.hint
     # auto falls back to transformers, as it does for anything but a GGUF file on the CPU with no dtype asked for.
     assert loading.choose_backend(LoadConfig(), gguf, cpu) == "transformers"
     monkeypatch.setattr("speccli.engine.llamacpp_backend.llama_cpp_problem", lambda: None)
@@ -300,13 +300,13 @@ def _greedy(loaded, drafter, k, tree=False, new_tokens=24):
     return tokens, sum(e.drafted for e in events if isinstance(e, StepEvent))
 
 
-def _near_tie_divergence(loaded, reference, tokens):
+def _near_tie_divergence(loaded, reference, tokens, prompt_ids=None):
     """None if equal; else the target's top-two gap where they split (must be a near-tie)."""
     split = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
     if split is None:
         return None
     lm = _lm(loaded)
-    top = lm.forward(_ids(loaded) + reference[:split])[-1].topk(2).values
+    top = lm.forward((prompt_ids or _ids(loaded)) + reference[:split])[-1].topk(2).values
     return float(top[0] - top[1])
 
 
@@ -327,3 +327,48 @@ def test_speculation_on_llama_cpp_keeps_its_own_plain_greedy_output(smollm2, nam
     assert drafted > 0
     gap = _near_tie_divergence(loaded, reference, tokens)
     assert gap is None or gap < ROUNDING, f"diverged at a gap of {gap}"
+
+
+def _specgen(tmp_path, *args):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, "-m", "speccli.cli", "generate", *args],
+        capture_output=True, cwd=repo, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(repo), "SPECGEN_CACHE": str(tmp_path)},
+    )
+
+
+def test_generate_runs_on_llama_cpp_and_says_so(smollm2, tmp_path):
+    import json
+
+    common = ["def add(a, b):", "--target", "smollm2-135m", "-n", "12", "--json", "--k", "3"]
+    plain = _specgen(tmp_path, *common, "--draft", "none", "-q")
+    assert plain.returncode == 0, plain.stderr.decode()
+    spec = _specgen(tmp_path, *common, "--draft", "smollm2-135m")
+    assert spec.returncode == 0, spec.stderr.decode()
+    assert "through llama.cpp on cpu" in spec.stderr.decode()  # the load line says which backend runs
+    plain_out, spec_out = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert spec_out["settings"]["backend"] == plain_out["settings"]["backend"] == "llama.cpp"
+    assert spec_out["stats"]["accepted"] > 0
+    loaded, _ = smollm2
+    prompt_ids = list(loaded.tokenizer("def add(a, b):")["input_ids"])
+    reference, tokens = plain_out["token_ids"], spec_out["token_ids"]
+    assert len(reference) == 12
+    gap = _near_tie_divergence(loaded, reference, tokens, prompt_ids)
+    assert gap is None or gap < ROUNDING, f"diverged at a gap of {gap}"
+
+
+def test_an_explicit_llama_cpp_backend_on_a_transformers_folder_exits_2(tmp_path, tokenizer):
+    from conftest import save_model_folder, tiny_llama
+
+    folder = str(save_model_folder(tiny_llama(len(tokenizer), seed=1), tokenizer, tmp_path / "target"))
+    result = _specgen(tmp_path, "abc", "--target", folder, "--draft", "none", "--backend", "llama.cpp", "-q")
+    assert result.returncode == 2
+    lines = result.stderr.decode().strip().splitlines()
+    assert "--backend llama.cpp runs GGUF files" in lines[0] and "drop --backend" in result.stderr.decode()
+    assert "Traceback" not in result.stderr.decode()

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-INSTALL_HINT = 'install it: pip install "speccli[llamacpp]"   (builds llama.cpp from source; see README)'
+INSTALL_HINT = 'install it: pip install "specgen[llamacpp]"   (builds llama.cpp from source; see README)'
 # Sequence ids a context accepts (llama.cpp allows up to 256): the leaves of one tree
 # window, plus the context's own. Each costs a row of logits in llama.cpp's output buffer.
 MAX_SEQUENCES = 64
