@@ -7,6 +7,7 @@ One process, one machine; the target and draft GGUF files are loaded once throug
 hf-plain). For each prompt, these methods run one after another on the same prompt ids,
 in an order rotated per prompt:
 
+  (llama-bench itself, given --llama-bench PATH: its tg64 before and after the prompts)
   llamacpp-tg       llama-bench's tg procedure through the same library: after the prefill, one
                     llama_decode of one token per new token, the same id fed again and
                     nothing read back, as llama-bench does. Its decode tok/s is llama.cpp's
@@ -165,6 +166,15 @@ class Bench:
         return float(top[0] - top[1])
 
 
+def llama_bench_tg(binary: Path, model: Path, threads: int, tokens: int = 64) -> float:
+    """llama-bench's own tg tokens/s (the mean over its 5 repetitions)."""
+    import subprocess
+
+    out = subprocess.run([str(binary), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(tokens),
+                          "-r", "5", "-o", "json"], capture_output=True, text=True, check=True, timeout=900)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -174,6 +184,9 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--llama-bench", type=Path, default=None,
+                        help="a llama-bench binary built from the same llama.cpp: its tg64 with the same file and"
+                             " threads, run before and after the prompts, is set beside specgen-plain's decode tok/s")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated subset (llamacpp-greedy always runs: it is the reference)")
     args = parser.parse_args()
@@ -201,6 +214,10 @@ def main() -> int:
     curve = ", ".join(f"{fed}: {1000 * s:.0f} ms" for fed, s in sorted(costs.verify_seconds.items()))
     print(f"CPU: {cpu_name()}, {bench.lm.threads} threads; llama-cpp-python {llama_cpp_version()}")
     print(f"target pass cost by tokens fed (llama.cpp): {curve}; draft token: {1000 * costs.draft_seconds:.0f} ms")
+    bench_tg = []
+    if args.llama_bench:
+        bench_tg.append(llama_bench_tg(args.llama_bench, target.resolved.gguf_path, bench.lm.threads))
+        log(f"llama-bench tg64: {bench_tg[-1]:.2f} tok/s")
     encoded = [(p, encode_bench_prompt(target.tokenizer, p)) for p in prompts]
     for method in methods:
         bench.run(method, encoded[0][1], WARMUP_TOKENS)
@@ -252,6 +269,13 @@ def main() -> int:
         ratios[name] = {"of_medians": speedup(median(a, key), median(b, key)),
                         "lowest_prompt": min(per_prompt), "per_prompt": per_prompt}
         print(f"{name:<44} {fmt(ratios[name]['of_medians']) + 'x':>10} {fmt(min(per_prompt)) + 'x':>14}")
+    if args.llama_bench and "specgen-plain" in methods:
+        bench_tg.append(llama_bench_tg(args.llama_bench, target.resolved.gguf_path, bench.lm.threads))
+        tg = statistics.mean(bench_tg)
+        plain = median("specgen-plain", "decode_tokens_per_second")
+        ratios["specgen-plain (decode) / llama-bench tg64"] = {"of_medians": speedup(plain, tg), "llama_bench": bench_tg}
+        print(f"llama-bench tg64 (before, after the prompts): {', '.join(f'{t:.2f}' for t in bench_tg)} tok/s;"
+              f" specgen-plain decode / llama-bench: {fmt(speedup(plain, tg))}x")
     divergences = [(r["prompt"], m, r["methods"][m]["divergence"]) for r in rows for m in SPECGEN
                    if m in r["methods"] and "divergence" in r["methods"][m]]
     print(f"divergences from llamacpp-greedy: {len(divergences)}"

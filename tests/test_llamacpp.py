@@ -372,3 +372,24 @@ def test_an_explicit_llama_cpp_backend_on_a_transformers_folder_exits_2(tmp_path
     lines = result.stderr.decode().strip().splitlines()
     assert "--backend llama.cpp runs GGUF files" in lines[0] and "drop --backend" in result.stderr.decode()
     assert "Traceback" not in result.stderr.decode()
+
+
+def test_an_interrupted_pass_forgets_the_cache_rather_than_trust_it(smollm2):
+    loaded, _ = smollm2
+    ids = _ids(loaded)
+    lm = _lm(loaded)
+    lm.forward(ids[:10])
+    library = lm._lc
+
+    class InterruptedAfterDecoding:  # Ctrl-C lands after llama_decode returned, before the logits are read
+        def __getattr__(self, name):
+            if name == "llama_get_logits":
+                raise KeyboardInterrupt
+            return getattr(library, name)
+
+    lm._lc = InterruptedAfterDecoding()
+    with pytest.raises(KeyboardInterrupt):
+        lm.forward(ids[10:15])
+    lm._lc = library
+    assert list(lm.cached_tokens) == []
+    assert torch.equal(lm.forward(ids[:12]), _lm(loaded).forward(ids[:12]))

@@ -143,6 +143,21 @@ def test_a_probe_that_finds_good_drafts_resets_the_spacing_and_drafts_long():
     assert min(chosen[-20:]) >= 8
 
 
+def test_a_probe_that_drafts_nothing_counts_as_a_failed_probe():
+    # A tree step can come out empty (the costs keep no node) after paying for the draft's
+    # pass; an empty probe that did not count would leave every later step a probe.
+    policy = jump_policy()
+    chosen = []
+    for _ in range(1500):
+        k = policy.next_k()
+        chosen.append(k)
+        policy.observe(step(0, 0, 0.079 if k else 0.0, JUMP[1]))  # nothing drafted either way
+    probes = [i for i, k in enumerate(chosen) if k]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 4 and min(gaps) >= 16
+    assert gaps[1] > 1.5 * gaps[0]  # backing off as after any failed probe
+
+
 def test_long_drafts_where_passes_are_flat_up_to_where_more_never_pays():
     flat = AdaptiveDraftLength(max_k=16)
     flat.costs.seed({n: 0.17 for n in range(1, 18)}, 0.01)

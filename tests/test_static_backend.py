@@ -136,7 +136,7 @@ def test_no_graphs_on_the_cpu(pairs):
 def loaded(model, device="cpu", dtype=torch.float32, quant="none"):
     from types import SimpleNamespace
 
-    return SimpleNamespace(model=model, device=torch.device(device), dtype=dtype, quant=quant)
+    return SimpleNamespace(model=model, device=torch.device(device), dtype=dtype, quant=quant, backend="transformers")
 
 
 def test_cuda_graphs_auto_picks_the_static_backend_only_on_cuda_in_half_precision_or_4_8_bit(pairs):

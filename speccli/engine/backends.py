@@ -69,6 +69,18 @@ class FeatureLM(CausalLM, Protocol):
         ...
 
 
+def check_tree_pass(token_ids: Sequence[int], positions: Sequence[int]) -> None:
+    """forward_tree's arguments, as every backend requires them."""
+    if not token_ids or len(positions) != len(token_ids):
+        raise ValueError("forward_tree() needs one position per token, and a token")
+
+
+def check_kept_offsets(start: int, offsets: list[int], cached: int) -> None:
+    """keep's offsets: ascending, distinct, and within the `cached` entries past `start`."""
+    if offsets != sorted(set(offsets)) or (offsets and (offsets[0] < 0 or start + offsets[-1] >= cached)):
+        raise ValueError(f"cannot keep offsets {offsets} past {start} of {cached} cached entries")
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -159,8 +171,7 @@ class TransformersLM:
 
     def keep(self, start: int, offsets: Sequence[int]) -> None:
         offsets = list(offsets)
-        if offsets != sorted(set(offsets)) or (offsets and (offsets[0] < 0 or start + offsets[-1] >= len(self._tokens))):
-            raise ValueError(f"cannot keep offsets {offsets} past {start} of {len(self._tokens)} cached entries")
+        check_kept_offsets(start, offsets, len(self._tokens))
         moved = [(i, o) for i, o in enumerate(offsets) if i != o]
         if moved:
             with torch.inference_mode():
@@ -213,9 +224,8 @@ class HFCausalLM(TransformersLM):
     def forward_tree(
         self, token_ids: Sequence[int], positions: Sequence[int], visible: torch.Tensor, window_start: int
     ) -> torch.Tensor:
+        check_tree_pass(token_ids, positions)
         n, cached = len(token_ids), len(self._tokens)
-        if n == 0 or len(positions) != n:
-            raise ValueError("forward_tree() needs one position per token, and a token")
         kwargs = {
             "position_ids": torch.tensor([list(positions)], dtype=torch.long, device=self._device),
             "attention_mask": self._tree_mask(n, cached, window_start, visible, cached + n),

@@ -17,16 +17,19 @@ every other tag.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
+
+from speccli.engine.backends import check_kept_offsets, check_tree_pass
 
 INSTALL_HINT = 'install it: pip install "specgen[llamacpp]"   (builds llama.cpp from source; see README)'
 # Sequence ids a context accepts (llama.cpp allows up to 256): the leaves of one tree
@@ -69,6 +72,9 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+GGML_LOG_LEVEL_DEBUG = 1
+
+
 class _Log:
     """llama.cpp's log, kept instead of printed: the last lines explain a failure."""
 
@@ -77,7 +83,7 @@ class _Log:
         self._lock = threading.Lock()
 
     def record(self, level: int, text: bytes | None, user_data) -> None:
-        if not text:
+        if not text or level == GGML_LOG_LEVEL_DEBUG:
             return
         with self._lock:
             self.lines.append(text.decode("utf-8", "replace"))
@@ -234,13 +240,14 @@ class LlamaCppLM:
         started = time.perf_counter()
         start = len(self._tokens)
         rows: list[torch.Tensor] = []
-        for chunk in range(0, len(token_ids), self._n_batch):
-            part = list(token_ids[chunk : chunk + self._n_batch])
-            last_chunk = chunk + self._n_batch >= len(token_ids)
-            wanted = [all_logits or (last_chunk and i == len(part) - 1) for i in range(len(part))]
-            positions = [start + chunk + i for i in range(len(part))]
-            rows += self._decode(part, positions, [(0,)] * len(part), wanted)
-            self._tokens.extend(part)
+        with self._whole_or_nothing():
+            for chunk in range(0, len(token_ids), self._n_batch):
+                part = list(token_ids[chunk : chunk + self._n_batch])
+                last_chunk = chunk + self._n_batch >= len(token_ids)
+                wanted = [all_logits or (last_chunk and i == len(part) - 1) for i in range(len(part))]
+                positions = [start + chunk + i for i in range(len(part))]
+                rows += self._decode(part, positions, [(0,)] * len(part), wanted)
+                self._tokens.extend(part)
         self.forward_seconds += time.perf_counter() - started
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
@@ -261,9 +268,8 @@ class LlamaCppLM:
     def forward_tree(
         self, token_ids: Sequence[int], positions: Sequence[int], visible: torch.Tensor, window_start: int
     ) -> torch.Tensor:
+        check_tree_pass(token_ids, positions)
         n, cached = len(token_ids), len(self._tokens)
-        if n == 0 or len(positions) != n:
-            raise ValueError("forward_tree() needs one position per token, and a token")
         opening = self._window_start is None
         if opening and window_start != cached:
             raise ValueError(f"a tree window must start at the cache's end ({cached}), not {window_start}")
@@ -287,20 +293,16 @@ class LlamaCppLM:
                 old = self._entries[entry]
                 lc.llama_memory_seq_cp(self._memory, old.sequence, sequence, old.position, old.position + 1)
         tags = [tuple(first + leaf for leaf in leaves) for leaves in plan.node_leaves]
-        try:
+        with self._whole_or_nothing():
             rows = self._decode(list(token_ids), list(positions), tags, [True] * n)
-        except BaseException:
-            self._close_window()
-            raise
-        self._tokens.extend(token_ids)
-        self._entries += [_TreeEntry(p, tag[0], seen) for p, tag, seen in zip(positions, tags, plan.seen)]
+            self._tokens.extend(token_ids)
+            self._entries += [_TreeEntry(p, tag[0], seen) for p, tag, seen in zip(positions, tags, plan.seen)]
         self.forward_seconds += time.perf_counter() - started
         return rows[0]
 
     def keep(self, start: int, offsets: Sequence[int]) -> None:
         offsets = list(offsets)
-        if offsets != sorted(set(offsets)) or (offsets and (offsets[0] < 0 or start + offsets[-1] >= len(self._tokens))):
-            raise ValueError(f"cannot keep offsets {offsets} past {start} of {len(self._tokens)} cached entries")
+        check_kept_offsets(start, offsets, len(self._tokens))
         if self._window_start is None:
             if any(i != o for i, o in enumerate(offsets)):
                 raise ValueError("outside a tree window only a prefix can be kept")
@@ -359,14 +361,9 @@ class LlamaCppLM:
             for s, sequence in enumerate(tag):
                 row[s] = sequence
             batch.logits[i] = want
-        try:
-            status = self._lc.llama_decode(self._ctx, batch)
-        except BaseException:
-            self._reset()
-            raise
+        status = self._lc.llama_decode(self._ctx, batch)
         if status != 0:
             reason = _LOG.tail()
-            self._reset()
             if status == 1:
                 raise LlamaCppError(f"the context is full: no room for {n} more tokens in {self._n_ctx}")
             raise LlamaCppError(f"llama_decode failed ({status}): {reason or 'no reason given'}")
@@ -376,6 +373,16 @@ class LlamaCppLM:
         pointer = self._lc.llama_get_logits(self._ctx)
         logits = np.ctypeslib.as_array(pointer, shape=(outputs * self._vocab_size,))
         return [torch.from_numpy(logits.reshape(outputs, self._vocab_size).copy())]
+
+    @contextlib.contextmanager
+    def _whole_or_nothing(self) -> Iterator[None]:
+        """A pass that fails or is interrupted (Ctrl-C lands between two calls into
+        llama.cpp) may leave cells the token list does not know: forget everything then."""
+        try:
+            yield
+        except BaseException:
+            self._reset()
+            raise
 
     def _reset(self) -> None:
         """Forget everything: after a failed or interrupted decode the cache is not trusted."""

@@ -247,7 +247,13 @@ class AdaptiveDraftLength:
         self.costs.observe(step)
         probing, self._probing = self._probing, False
         if step.drafted == 0:
-            self._steps_without_drafting += 1
+            if probing:
+                # The probe drafted nothing (a tree the costs kept empty, after the draft's
+                # pass; no earlier n-gram): a failed probe, or every step would probe again.
+                self._steps_without_drafting = 0
+                self._failed_probes += 1
+            else:
+                self._steps_without_drafting += 1
             return
         self._steps_without_drafting = 0
         # Every position forgets, reached or not: evidence about a position that shorter

@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from speccli.engine.backends import TransformersLM
+from speccli.engine.backends import TransformersLM, check_tree_pass
 
 DEFAULT_CAPACITY = 4096
 DEFAULT_MAX_FED = 16  # verification feeds k + 1 tokens; k auto goes up to 8 by default
@@ -155,9 +155,8 @@ class StaticCausalLM(TransformersLM):
     ) -> torch.Tensor:
         """Tree passes run eagerly (the graphs are captured for chains, whose mask follows
         from the positions alone)."""
+        check_tree_pass(token_ids, positions)
         n, start = len(token_ids), len(self._tokens)
-        if n == 0 or len(positions) != n:
-            raise ValueError("forward_tree() needs one position per token, and a token")
         started = time.perf_counter()
         self.reserve(start + n)
         self._hidden_parts = []

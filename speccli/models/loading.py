@@ -672,8 +672,11 @@ def load_tokenizer(
     device = choose_device(config.device)
     peek = resolve(name, cache, assemble=False)
     backend = choose_backend(config, peek, device)
-    quant = "none" if backend == "llama.cpp" else choose_quant(config.quant, device, gguf=peek.is_gguf, draft=config.for_draft)
-    dtype = _int8_dtype(config) if quant == "int8" else choose_dtype(config.dtype, device, quant)
+    if backend == "llama.cpp":
+        quant, dtype = "none", torch.float32  # the weights keep the file's quantization; logits are float32
+    else:
+        quant = choose_quant(config.quant, device, gguf=peek.is_gguf, draft=config.for_draft)
+        dtype = _int8_dtype(config) if quant == "int8" else choose_dtype(config.dtype, device, quant)
     if config.quant == "auto" and device.type == "cuda" and quant == "none" and not peek.is_gguf:
         say(f"bitsandbytes is unavailable ({_bitsandbytes_problem()}): loading {name} unquantized")
     resolved = resolve(name, cache, progress, byte_progress=byte_progress) if peek.kind == "offline-package" else peek
@@ -687,8 +690,6 @@ def load_tokenizer(
             tokenizer = _from_pretrained(
                 AutoTokenizer.from_pretrained, resolved, {"trust_remote_code": config.trust_remote_code}
             )
-    if backend == "llama.cpp":
-        dtype = torch.float32  # the logits' dtype: the weights keep the file's own quantization
     return PendingModel(name, config, resolved, tokenizer, device, dtype, quant, time.perf_counter() - started, backend)
 
 
