@@ -254,6 +254,10 @@ def test_a_tree_pass_scores_every_path_as_its_own_chain_and_keeps_one(smollm2):
         assert (logits[rows] - expected).abs().max() < ROUNDING
         _same_argmax_but_near_ties(logits[rows], expected)
         assert (logits[rows[1:]] - other[1:]).abs().amax(-1).min() > 4 * ROUNDING
+    # Nodes from two branches are no path: refused, and nothing changes.
+    with pytest.raises(ValueError, match="does not follow the one before it"):
+        lm.keep(20, [0, 1, 4])
+    assert len(lm.cached_tokens) == 25
     # Keep the second branch (fed offsets 0, 2, 4): the cache is then the context and that path.
     lm.keep(20, [0, 2, 4])
     assert list(lm.cached_tokens) == context + [pending, 1000, ids[21]]

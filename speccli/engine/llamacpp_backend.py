@@ -310,24 +310,24 @@ class LlamaCppLM:
             return
         if start < self._window_start:
             raise ValueError(f"cannot keep past {start}: tree entries start at {self._window_start}")
-        lc = self._lc
-        kept_tokens = [self._tokens[start + o] for o in offsets]
-        for index, offset in enumerate(offsets):
-            entry = self._entries[start - self._window_start + offset]
-            if entry.position != start + index:
-                raise ValueError(
-                    f"kept entries must lie at consecutive positions: entry {start + offset} is at {entry.position},"
-                    f" not {start + index}"
-                )
-            lc.llama_memory_seq_cp(self._memory, entry.sequence, 0, entry.position, entry.position + 1)
-        # Entries between the window start and `start` stay as they are: they must already be a path.
-        for index in range(start - self._window_start):
-            entry = self._entries[index]
+        # The entries between the window start and `start`, then the kept ones: a path from
+        # the window start, each one position past the one before and seeing it.
+        path = list(range(start - self._window_start)) + [start - self._window_start + o for o in offsets]
+        for index, entry_index in enumerate(path):
+            entry = self._entries[entry_index]
             if entry.position != self._window_start + index:
-                raise ValueError("entries before the kept ones must be a path at consecutive positions")
-            lc.llama_memory_seq_cp(self._memory, entry.sequence, 0, entry.position, entry.position + 1)
+                raise ValueError(
+                    f"kept entries must lie at consecutive positions: entry {self._window_start + entry_index} is at"
+                    f" {entry.position}, not {self._window_start + index}"
+                )
+            if index and path[index - 1] not in entry.seen:
+                raise ValueError(f"kept entry {self._window_start + entry_index} does not follow the one before it")
+        tokens = [self._tokens[self._window_start + i] for i in path]
+        for entry_index in path:
+            entry = self._entries[entry_index]
+            self._lc.llama_memory_seq_cp(self._memory, entry.sequence, 0, entry.position, entry.position + 1)
         self._close_window()
-        self._tokens[start:] = kept_tokens
+        self._tokens.extend(tokens)
 
     # ------------------------------------------------------------------ internals
 
