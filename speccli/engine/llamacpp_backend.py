@@ -122,7 +122,6 @@ class LlamaCppWeights:
     description: str  # llama.cpp's own, e.g. "qwen2 1.5B Q4_K - Medium"
     n_vocab: int
     n_ctx_train: int
-    size_bytes: int
     threads: int  # the threads its contexts decode with
 
     @classmethod
@@ -143,7 +142,6 @@ class LlamaCppWeights:
             description=buffer.value.decode("utf-8", "replace"),
             n_vocab=int(lc.llama_vocab_n_tokens(vocab)),
             n_ctx_train=int(lc.llama_model_n_ctx_train(pointer)),
-            size_bytes=int(lc.llama_model_size(pointer)),
             threads=threads or default_threads(),
         )
 
@@ -160,11 +158,6 @@ class LlamaCppWeights:
             ids = (lc.llama_token * room)()
             count = lc.llama_tokenize(vocab, raw, len(raw), ids, room, False, special)
         return list(ids[:count])
-
-    def close(self) -> None:
-        if self.pointer:
-            _backend().llama_model_free(self.pointer)
-            self.pointer = None
 
 
 @dataclass
