@@ -239,7 +239,7 @@ class LlamaCppLM:
                 last_chunk = chunk + self._n_batch >= len(token_ids)
                 wanted = [all_logits or (last_chunk and i == len(part) - 1) for i in range(len(part))]
                 positions = [start + chunk + i for i in range(len(part))]
-                rows += self._decode(part, positions, [(0,)] * len(part), wanted)
+                rows.append(self._decode(part, positions, [(0,)] * len(part), wanted))
                 self._tokens.extend(part)
         self.forward_seconds += time.perf_counter() - started
         return torch.cat(rows) if len(rows) > 1 else rows[0]
@@ -287,11 +287,11 @@ class LlamaCppLM:
                 lc.llama_memory_seq_cp(self._memory, old.sequence, sequence, old.position, old.position + 1)
         tags = [tuple(first + leaf for leaf in leaves) for leaves in plan.node_leaves]
         with self._whole_or_nothing():
-            rows = self._decode(list(token_ids), list(positions), tags, [True] * n)
+            logits = self._decode(list(token_ids), list(positions), tags, [True] * n)
             self._tokens.extend(token_ids)
             self._entries += [_TreeEntry(p, tag[0], seen) for p, tag, seen in zip(positions, tags, plan.seen)]
         self.forward_seconds += time.perf_counter() - started
-        return rows[0]
+        return logits
 
     def keep(self, start: int, offsets: Sequence[int]) -> None:
         offsets = list(offsets)
@@ -337,7 +337,7 @@ class LlamaCppLM:
 
     def _decode(
         self, tokens: list[int], positions: list[int], tags: list[tuple[int, ...]], wanted: list[bool]
-    ) -> list[torch.Tensor]:
+    ) -> torch.Tensor:
         """One llama_decode; the float32 logits [outputs, V] of the wanted rows, in order."""
         n = len(tokens)
         if n > self._n_batch:
@@ -362,10 +362,10 @@ class LlamaCppLM:
             raise LlamaCppError(f"llama_decode failed ({status}): {reason or 'no reason given'}")
         outputs = sum(wanted)
         if outputs == 0:
-            return []
+            return torch.empty((0, self._vocab_size))
         pointer = self._lc.llama_get_logits(self._ctx)
         logits = np.ctypeslib.as_array(pointer, shape=(outputs * self._vocab_size,))
-        return [torch.from_numpy(logits.reshape(outputs, self._vocab_size).copy())]
+        return torch.from_numpy(logits.reshape(outputs, self._vocab_size).copy())
 
     @contextlib.contextmanager
     def _whole_or_nothing(self) -> Iterator[None]:
