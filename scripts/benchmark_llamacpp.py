@@ -8,6 +8,8 @@ hf-plain). For each prompt, these methods run one after another on the same prom
 in an order rotated per prompt:
 
   (llama-bench itself, given --llama-bench PATH: its tg64 before and after the prompts)
+  (with --repeats N, N rounds per prompt, each in a further rotated order; a cell is the
+  round with the median tokens/s)
   llamacpp-tg       llama-bench's tg procedure through the same library: after the prefill, one
                     llama_decode of one token per new token, the same id fed again and
                     nothing read back, as llama-bench does. Its decode tok/s is llama.cpp's
@@ -166,6 +168,16 @@ class Bench:
         return float(top[0] - top[1])
 
 
+def median_round(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the lower middle one of an even count), with every
+    round's tokens/s beside it."""
+    ranked = sorted(runs, key=lambda run: run["tokens_per_second"] or 0.0)
+    chosen = dict(ranked[(len(ranked) - 1) // 2])
+    if len(runs) > 1:
+        chosen["rounds_tokens_per_second"] = [run["tokens_per_second"] for run in runs]
+    return chosen
+
+
 def llama_bench_tg(binary: Path, model: Path, threads: int, tokens: int = 64) -> float:
     """llama-bench's own tg tokens/s (the mean over its 5 repetitions)."""
     import subprocess
@@ -187,6 +199,9 @@ def main() -> int:
     parser.add_argument("--llama-bench", type=Path, default=None,
                         help="a llama-bench binary built from the same llama.cpp: its tg64 with the same file and"
                              " threads, run before and after the prompts, is set beside specgen-plain's decode tok/s")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds per prompt, the methods' order rotated each round; each cell is the round with"
+                             " the median tokens/s (single runs of 100 tokens vary by 10%% here)")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated subset (llamacpp-greedy always runs: it is the reference)")
     args = parser.parse_args()
@@ -226,8 +241,12 @@ def main() -> int:
     print(f"\n{'prompt':<24} {'len':>4} " + " ".join(f"{m:>17}" for m in methods) + "  check")
     rows = []
     for index, (prompt, ids) in enumerate(encoded):
-        order = methods[index % len(methods):] + methods[: index % len(methods)]
-        results = {method: bench.run(method, ids, args.max_new_tokens) for method in order}
+        rounds: dict[str, list[dict]] = {method: [] for method in methods}
+        for repeat in range(args.repeats):
+            shift = (index + repeat) % len(methods)
+            for method in methods[shift:] + methods[:shift]:
+                rounds[method].append(bench.run(method, ids, args.max_new_tokens))
+        results = {method: median_round(runs) for method, runs in rounds.items()}
         reference = results["llamacpp-greedy"]["tokens"]
         notes = []
         for method in SPECGEN:
@@ -285,7 +304,8 @@ def main() -> int:
                "llama_cpp_python": llama_cpp_version(), "python": platform.python_version(),
                "target": target.describe(), "draft": draft.describe(),
                "hf_target": hf_target.describe() if hf_target else None,
-               "calibration": costs.as_dict(), "max_new_tokens": args.max_new_tokens, "methods": list(methods),
+               "calibration": costs.as_dict(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+               "methods": list(methods),
                "rows": rows, "ratios": ratios}
         args.json_out.write_text(json.dumps(out, indent=2))
     return 0

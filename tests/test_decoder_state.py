@@ -72,6 +72,22 @@ def test_rolled_back_caches_equal_a_fresh_prefill(pairs, tokenizer, sampling, ba
     assert checked >= 3
 
 
+def test_a_draft_model_reads_the_text_only_when_asked_to_draft(pairs, tokenizer):
+    pair = pairs[0]
+    target, draft = wrap(pair.target), wrap(pair.draft)
+    decoder = SpeculativeDecoder(target, tokenizer, [], ModelDrafter(draft, len(tokenizer)))
+    prompt = encode(tokenizer, "def fib(n):")
+    plain = run(decoder, tokenizer, "def fib(n):", k=0, max_new=12)
+    assert list(draft.cached_tokens) == []  # k = 0 throughout: the draft model never ran
+
+    events = list(decoder.generate(prompt, SamplingConfig(), SpecConfig(k=3, max_new_tokens=12)))
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    # The first drafting step reads the prompt (timed apart, as part of its draft time).
+    assert 0 < steps[0].catch_up_seconds <= steps[0].draft_seconds
+    tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    assert tokens == [e.token_id for e in plain if isinstance(e, TokenEvent)]
+
+
 def test_rollback_to_zero_and_reuse_across_generations(pairs, tokenizer):
     pair = pairs[1]
     backend = wrap(pair.target)

@@ -34,6 +34,13 @@ def test_step_costs_guess_optimistically_where_unmeasured():
     assert costs.step_seconds(4) == pytest.approx(0.6 + 0.4)
 
 
+def test_a_draft_models_catch_up_is_not_a_cost_per_drafted_token():
+    costs = StepCosts(smoothing=1.0)
+    # 2 tokens drafted in 0.9 s, 0.7 s of which the draft spent reading the prompt first.
+    costs.observe(StepEvent(1, 2, 1, 0.9, 0.3, catch_up_seconds=0.7))
+    assert costs.draft_per_token == pytest.approx(0.1)
+
+
 def test_step_costs_smooth_new_measurements():
     costs = StepCosts(smoothing=0.5)
     costs.observe(step(0, 0, 0.0, 1.0))

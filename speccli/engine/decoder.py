@@ -276,6 +276,7 @@ class SpeculativeDecoder:
         step: int,
     ) -> StepOutcome:
         draft_started = time.perf_counter()
+        caught_up = self._catch_up(context, k)
         draft = Draft([])
         if k > 0 and self.drafter is not None:
             draft_noise = None if noise is None else noise.from_position(next_position)
@@ -295,8 +296,18 @@ class SpeculativeDecoder:
                 accepted=verdict.accepted,
                 draft_seconds=verify_started - draft_started,
                 verify_seconds=time.perf_counter() - verify_started,
+                catch_up_seconds=caught_up,
             ),
         )
+
+    def _catch_up(self, context: list[int], k: int) -> float:
+        """Before a step that drafts: let a draft model read what it has not (see
+        ModelDrafter.catch_up). Returns the seconds it took."""
+        if k <= 0 or not hasattr(self.drafter, "catch_up"):
+            return 0.0
+        started = time.perf_counter()
+        self.drafter.catch_up(context)
+        return time.perf_counter() - started
 
     def _tree_step(
         self,
@@ -312,6 +323,7 @@ class SpeculativeDecoder:
         """Draft a tree k deep, verify it in one pass (speccli.engine.tree), keep the
         accepted path in the target's cache."""
         draft_started = time.perf_counter()
+        caught_up = self._catch_up(context, k)
         draft_noise = None if noise is None else noise.from_position(next_position)
         shape = self._tree_shape(k, policy)
         if self.target.max_length is not None:
@@ -369,6 +381,7 @@ class SpeculativeDecoder:
                 verify_seconds=time.perf_counter() - verify_started,
                 fed=len(fed),
                 tree=True,
+                catch_up_seconds=caught_up,
             ),
         )
 

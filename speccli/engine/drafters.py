@@ -151,13 +151,20 @@ class ModelDrafter:
         return self.model.forward(self.readable(context[cached:]), all_logits=False)[-1]
 
     def start(self, context: Sequence[int]) -> None:
-        """Reuse what the cache shares with the context and prefill the rest but the last
-        token, so that the prompt's cost is not counted as drafting."""
+        """Reuse what the cache shares with the context. The rest is read only when a draft
+        is first asked for (`catch_up`): where drafting never pays (k auto stays at 0), the
+        draft model costs nothing, not even the prompt."""
         settled = self.readable(context[:-1])
-        reused = common_prefix_length(self.model.cached_tokens, settled)
-        self.model.rollback(reused)
-        if reused < len(settled):
-            self.model.forward(settled[reused:], all_logits=False)
+        self.model.rollback(common_prefix_length(self.model.cached_tokens, settled))
+
+    def catch_up(self, context: Sequence[int]) -> None:
+        """Feed the draft, in one pass, the context it has not read (the prompt, the tokens of
+        plain steps) but the last token, whose logits drafting computes. The decoder times
+        this apart from drafting: it is a cost of the text, not of each drafted token."""
+        settled = self.readable(context[:-1])
+        cached = len(self.model.cached_tokens)
+        if cached < len(settled):
+            self.model.forward(settled[cached:], all_logits=False)
 
     def propose(
         self,

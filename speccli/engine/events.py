@@ -57,6 +57,9 @@ class StepEvent:
     verify_seconds: float
     fed: int = 0  # tokens in the target's pass; 0 means drafted + 1 (a chain)
     tree: bool = False
+    # The part of draft_seconds the draft model spent reading text it had not seen (the
+    # prompt, the tokens of plain steps) before drafting: not a cost of each drafted token.
+    catch_up_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.fed == 0:

@@ -65,7 +65,7 @@ class StepCosts:
         self.verify[fed] = self._blend(fed, self.verify.get(fed), step.verify_seconds)
         if step.drafted:
             self.draft_per_token = self._blend(
-                "draft", self.draft_per_token, step.draft_seconds / step.drafted
+                "draft", self.draft_per_token, (step.draft_seconds - step.catch_up_seconds) / step.drafted
             )
 
     def _blend(self, key: object, old: float | None, new: float) -> float:
