@@ -19,7 +19,7 @@ import time
 import torch
 
 from speccli.commands.bench_runner import first_difference
-from speccli.config import LoadConfig, SamplingConfig, SpecConfig
+from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.generation.pipeline import load_pipeline
 from speccli.generation.prompts import Prompt
 from speccli.models.onednn import set_onednn_linear
@@ -32,9 +32,13 @@ def main() -> int:
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--k", default="1,4,8")
+    parser.add_argument("--k", default="1,4,8", help="comma-separated draft lengths: whole numbers or auto")
     parser.add_argument("--tree", action="store_true", help="draft token trees (--draft lookahead always does)")
     args = parser.parse_args()
+    try:
+        lengths = [parse_draft_length(x) for x in args.k.split(",")]
+    except ValueError as error:
+        parser.error(str(error))
 
     config = LoadConfig(dtype=args.dtype)
     pipeline = load_pipeline(args.target, args.draft, config, config, progress=lambda m: print(m, file=sys.stderr))
@@ -54,7 +58,7 @@ def main() -> int:
         eos = set(pipeline.target.eos_token_ids)
         cut = next((i for i, t in enumerate(reference) if t in eos), len(reference))
         reference = reference[:cut]
-        for k in (int(x) for x in args.k.split(",")):
+        for k in lengths:
             started = time.perf_counter()
             generation = generator.stream(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=args.max_new_tokens, tree=args.tree)).run()
             seconds = time.perf_counter() - started
