@@ -135,6 +135,29 @@ def test_probes_draft_what_the_curve_favours_and_back_off():
     assert seconds <= 1.05 * len(chosen) * JUMP[1]
 
 
+# llama.cpp on a 2-core AVX512 CPU (ms by tokens fed): a pass grows with every token.
+LINEAR = {1: 34, 2: 58, 3: 79, 4: 96, 5: 116, 6: 137, 7: 173, 8: 242, 9: 258, 10: 261, 11: 278, 12: 288,
+          13: 306, 14: 355, 15: 338, 16: 292, 17: 370}
+
+
+@pytest.mark.parametrize("prior", [0.7, 0.97])
+def test_no_probes_where_even_a_good_draft_would_gain_little(prior):
+    # With a draft token at 20 ms, a draft the target always accepts would give at most
+    # 1.0x: probes would only cost (and did: 0.71x of plain decoding on a code prompt).
+    policy = AdaptiveDraftLength(max_k=16, prior_acceptance=prior)
+    policy.costs.seed({n: ms / 1000 for n, ms in LINEAR.items()}, 0.020)
+    chosen = []
+    for _ in range(400):
+        k = policy.next_k()
+        chosen.append(k)
+        policy.observe(step(k, k, 0.020 * k, LINEAR[k + 1] / 1000))
+    assert policy.probe_k() == 0 and set(chosen) == {0}
+    # Free guesses (prompt lookup) on the same curve could gain more than 1.1x: they are probed.
+    free = AdaptiveDraftLength(max_k=16, prior_acceptance=prior)
+    free.costs.seed({n: ms / 1000 for n, ms in LINEAR.items()}, None)
+    assert free.probe_k() > 0
+
+
 def test_a_probe_that_finds_good_drafts_resets_the_spacing_and_drafts_long():
     policy = jump_policy()
     for _ in range(200):

@@ -59,43 +59,45 @@ def _wait_for(model: CausalLM) -> None:
         torch.cuda.synchronize(model.device)
 
 
-def _median_seconds(model: CausalLM, settled: int, tokens: Sequence[int], repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first of each size warms the kernels for that shape
-        started = time.perf_counter()
-        model.forward(tokens, all_logits=len(tokens) > 1)
-        _wait_for(model)
-        times.append(time.perf_counter() - started)
-        model.rollback(settled)
-    return statistics.median(times[1:])
+def _seconds(model: CausalLM, settled: int, tokens: Sequence[int]) -> float:
+    started = time.perf_counter()
+    model.forward(tokens, all_logits=len(tokens) > 1)
+    _wait_for(model)
+    seconds = time.perf_counter() - started
+    model.rollback(settled)
+    return seconds
 
 
 def measure_costs(
     target: CausalLM,
     draft: CausalLM | None,
     max_fed: int,
-    repeats: int = 2,
+    repeats: int = 3,
     context_tokens: int = CONTEXT_TOKENS,
 ) -> CostProfile:
     """Time target passes over 1..max_fed new tokens and a one-token draft pass, each on
-    top of `context_tokens` cached tokens. Both caches are empty afterwards."""
+    top of `context_tokens` cached tokens: the median of `repeats` rounds, each round over
+    every size in turn (a moment of noise on a shared machine then spoils one round of
+    several sizes, not every measurement of one), after a round that warms the kernels for
+    each shape. Both caches are empty afterwards."""
     if max_fed < 1 or repeats < 1:
         raise ValueError(f"need max_fed >= 1 and repeats >= 1, got {max_fed}, {repeats}")
     context = _filler(target.vocab_size, context_tokens + max_fed)
     prompt, fed_tokens = context[:context_tokens], context[context_tokens:]
+    sizes = range(1, max_fed + 1)
     try:
         target.rollback(0)
         target.forward(prompt, all_logits=False)
-        verify = {
-            fed: _median_seconds(target, len(prompt), fed_tokens[:fed], repeats) for fed in range(1, max_fed + 1)
-        }
+        rounds = [[_seconds(target, len(prompt), fed_tokens[:fed]) for fed in sizes] for _ in range(repeats + 1)]
+        verify = {fed: statistics.median(times[i] for times in rounds[1:]) for i, fed in enumerate(sizes)}
         draft_seconds = None
         if draft is not None:
             # The draft's own ids: the target may know ids the draft's embedding has no row for.
             draft_context = _filler(draft.vocab_size, context_tokens + 1)
             draft.rollback(0)
             draft.forward(draft_context[:-1], all_logits=False)
-            draft_seconds = _median_seconds(draft, context_tokens, draft_context[-1:], repeats)
+            times = [_seconds(draft, context_tokens, draft_context[-1:]) for _ in range(repeats + 1)]
+            draft_seconds = statistics.median(times[1:])
     finally:
         target.rollback(0)
         if draft is not None:

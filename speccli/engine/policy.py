@@ -131,7 +131,11 @@ class AdaptiveDraftLength:
     spaced so that what one is expected to cost over plain decoding stays under
     `probe_budget` of plain decoding's time (and at least `probe_every` plain steps
     apart); each probe in a row whose first drafted token is rejected doubles the spacing
-    (up to `max_backoff` doublings), and any other drafting step resets it.
+    (up to `max_backoff` doublings), and any other drafting step resets it. A probe must
+    promise, under that hopeful acceptance, at least `probe_min_gain` times plain decoding's
+    tokens per second: where even a good draft would gain less (a CPU whose pass cost grows
+    with every token fed, a slow draft), what probes cost in a session (reading the text
+    the draft skipped, the passes' spread around their mean) outweighs what they could find.
 
     The prior is the acceptance by position to start from: a number, or one per position
     (the last standing for the positions after it), such as what an earlier session with
@@ -151,6 +155,7 @@ class AdaptiveDraftLength:
         max_backoff: int = 2,
         prior_steps: float = 0.0,
         probe_hope: float = 0.9,
+        probe_min_gain: float = 1.1,
     ) -> None:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
@@ -164,6 +169,7 @@ class AdaptiveDraftLength:
         self.max_backoff = max_backoff
         self.prior_steps = prior_steps
         self.probe_hope = probe_hope
+        self.probe_min_gain = probe_min_gain
         self.costs = StepCosts()
         self._kept = [0.0] * max_k
         self._tried = [0.0] * max_k
@@ -196,13 +202,24 @@ class AdaptiveDraftLength:
         best = self._best_k(acceptance)
         if best > 0 or self._steps_without_drafting < self.probe_interval(acceptance):
             return best
-        probe = self._best_k(self._hope(acceptance))
+        probe = self._probe(acceptance)
         self._probing = probe > 0
         return probe
 
     def probe_k(self) -> int:
-        """The draft length a probe would have now: the best under the hopeful acceptance."""
-        return self._best_k(self._hope(self.acceptance()))
+        """The draft length a probe would have now (0: none would be worth it)."""
+        return self._probe(self.acceptance())
+
+    def _probe(self, acceptance: list[float]) -> int:
+        """The best draft length under the hopeful acceptance, when it promises at least
+        `probe_min_gain` times plain decoding's rate; else 0."""
+        hope = self._hope(acceptance)
+        probe = self._best_k(hope)
+        plain, seconds = self.costs.step_seconds(0), self.costs.step_seconds(probe)
+        if probe == 0 or not plain or not seconds:
+            return probe
+        gain = expected_tokens(hope, probe) / seconds * plain
+        return probe if gain >= self.probe_min_gain else 0
 
     def probe_interval(self, acceptance: list[float] | None = None) -> float:
         """Plain steps between probes: as many as keep the expected extra cost of a probe
@@ -211,7 +228,7 @@ class AdaptiveDraftLength:
         each probe in a row after which drafting still did not pay."""
         acceptance = self.acceptance() if acceptance is None else acceptance
         plain = self.costs.step_seconds(0)
-        probe = self._best_k(self._hope(acceptance))
+        probe = self._probe(acceptance)
         interval = float(self.probe_every)
         if plain and probe:
             extra = self.costs.step_seconds(probe) - expected_tokens(acceptance, probe) * plain
