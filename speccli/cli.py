@@ -389,6 +389,7 @@ def train(
     data: list[str] = typer.Option([], "--data", help="Training text: files or folders of text or code, or .jsonl (messages, prompt/response, instruction/output or text). Repeatable. Default: the Python standard library's sources and chat turns made from them (no network)."),
     tokens: int = typer.Option(180_000, "--tokens", help="Tokens of text to train on (5% held out for accuracy). The target's pass over them is most of the time on a CPU (about 27 minutes for the default on 2 cores in bfloat16); it is cached, so a rerun or the other kind skips it."),
     out: Optional[str] = typer.Option(None, "--out", help="Where to save the heads (a folder or a .safetensors file). Default: the cache, where --draft medusa|eagle finds them."),
+    answers: Optional[int] = typer.Option(None, "--answers", help="Requests (made offline: code, explanations, chat, arithmetic, translation) the target answers first, greedily, to train on its own answers, which is the text the heads draft in; they come first in the --tokens. Kept in the cache and resumed if cut short. Default: 150 where the target is a GGUF file llama.cpp can run (about 13 minutes on 2 cores), else 0 (through transformers they take several times longer)."),
     epochs: float = typer.Option(4.0, "--epochs", help="Passes over the training text."),
     heads: int = typer.Option(4, "--heads", help="Medusa: number of heads (head i guesses the token i+1 past the next)."),
     vocab: int = typer.Option(8192, "--vocab", help="Draft vocabulary: the heads propose only the most frequent ids of the text (the output layer is most of a head's cost)."),
@@ -419,7 +420,15 @@ def train(
         from pathlib import Path
 
         progress = stderr_progress(quiet)
-        from speccli.commands.train_heads import TrainEvents, TrainRequest, accuracy_line, autocast_bf16, default_config, train_heads
+        from speccli.commands.train_heads import (
+            TrainEvents,
+            TrainRequest,
+            accuracy_line,
+            autocast_bf16,
+            default_answers,
+            default_config,
+            train_heads,
+        )
         from speccli.models import offline
         from speccli.models.loading import load_model
         from speccli.ui.progress import TrainProgressDisplay
@@ -432,18 +441,23 @@ def train(
                 raise UsageError(f"{number} must be at least 1, got {value}")
         if epochs <= 0:
             raise UsageError(f"--epochs must be positive, got {epochs}")
+        if answers is not None and answers < 0:
+            raise UsageError(f"--answers must be 0 or more, got {answers}")
         target_config, _ = options.configs()
         loaded = load_model(options.target, target_config, progress)
         config = default_config(
             name, heads=heads, vocab=vocab, epochs=epochs, batch_segments=batch,
             learning_rate=learning_rate, seed=seed, bf16=autocast_bf16(loaded),
         )
-        request = TrainRequest(config, tokens, tuple(Path(d) for d in data), Path(out) if out else None)
+        request = TrainRequest(
+            config, tokens, tuple(Path(d) for d in data), Path(out) if out else None,
+            answers=default_answers(loaded) if answers is None else answers,
+        )
         display = TrainProgressDisplay(progress, bar=not quiet and sys.stderr.isatty())
         with display:
             outcome = train_heads(
                 loaded, request, offline.default_cache_dir(),
-                TrainEvents(display.say, display.features, display.steps),
+                TrainEvents(display.say, display.features, display.steps, display.answers),
             )
         record = outcome.training
         if as_json:

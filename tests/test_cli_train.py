@@ -86,6 +86,30 @@ def test_train_then_draft_with_the_heads(setup):
     assert "Traceback" not in refused.stderr.decode()
 
 
+def test_train_on_the_targets_own_answers(setup, tmp_path):
+    args = ("train", "eagle", "--target", setup["target"], "--answers", "2", "--tokens", "2048", "--epochs", "1",
+            "--vocab", "40", *ON_CPU, "--dtype", "float32", "--json")
+    first = specgen(*args, cache=tmp_path)
+    assert first.returncode == 0, first.stderr.decode()
+    err = first.stderr.decode()
+    answers = tmp_path / "heads" / "target" / "answers.jsonl"
+    assert f"the target answers 2 of 2 requests (through transformers; kept in {answers})" in err
+    assert json.loads(first.stdout)["data"].startswith("2 of the target's own answers, then")
+    chats = [json.loads(line)["messages"] for line in answers.read_text().splitlines()]
+    assert [c[0]["role"] for c in chats] == ["user", "user"] and all(c[1]["content"] for c in chats)
+    # The answers are the target's own greedy continuation of each request.
+    request = chats[0][0]["content"]
+    ids = setup["tokenizer"](request)["input_ids"]
+    expected = setup["model"].generate(torch.tensor([ids]), max_new_tokens=192, do_sample=False)[0, len(ids):].tolist()
+    if 2 in expected:
+        expected = expected[: expected.index(2)]
+    assert chats[0][1]["content"] == setup["tokenizer"].decode(expected, skip_special_tokens=True)
+    again = specgen(*args, cache=tmp_path)  # made once: a rerun reads them back
+    assert again.returncode == 0 and "the target answers" not in again.stderr.decode()
+    bad = specgen("train", "eagle", "--target", setup["target"], "--answers", "-1", cache=tmp_path)
+    assert bad.returncode == 2 and "--answers must be 0 or more, got -1" in bad.stderr.decode()
+
+
 def test_missing_heads_and_bad_kind_exit_2(setup, tmp_path):
     missing = specgen("generate", "x", "--target", setup["target"], "--draft", "eagle", *ON_CPU, cache=tmp_path)
     assert missing.returncode == 2

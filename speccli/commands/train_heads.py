@@ -1,5 +1,5 @@
-"""`specgen train medusa|eagle`: the target loaded, a corpus built, the target's features
-extracted (cached on disk, resumable), the heads trained (checkpointed, resumable), measured
+"""`specgen train medusa|eagle`: the target loaded, its own answers made (speccli.heads.answers),
+a corpus built, the target's features extracted (cached on disk, resumable), the heads trained (checkpointed, resumable), measured
 on held-out text and saved where `--draft medusa|eagle` finds them."""
 
 from __future__ import annotations
@@ -9,8 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+
+from speccli.heads.answers import ANSWER_TOKENS, Answer, make_answers, read_answers
 from speccli.heads.corpus import build_corpus
 from speccli.heads.features import extract
+from speccli.heads.instructions import requests
 from speccli.heads.store import default_heads_path, save_heads, slug, target_identity
 from speccli.heads.train import TrainConfig, Trainer, TrainProgress
 from speccli.models.loading import LoadedModel, cpu_has_fast_bf16, dtype_name
@@ -22,6 +26,7 @@ class TrainRequest:
     tokens: int
     data: tuple[Path, ...] = ()
     out: Path | None = None  # the heads file; default: the cache, where --draft finds it
+    answers: int = 0  # requests the target answers first, to train on its own answers
 
 
 @dataclass
@@ -38,10 +43,12 @@ class TrainEvents:
         say: Callable[[str], None],
         features: Callable[[int, int], None] | None = None,
         steps: Callable[[TrainProgress], None] | None = None,
+        answers: Callable[[int, int], None] | None = None,
     ) -> None:
         self.say = say
         self.features = features
         self.steps = steps
+        self.answers = answers
 
 
 def heads_path(request: TrainRequest, cache_dir: Path, target_name: str) -> Path:
@@ -62,7 +69,8 @@ def train_heads(target: LoadedModel, request: TrainRequest, cache_dir: Path, eve
     started = time.perf_counter()
     identity = target_identity(target.model, target.name)
     path = heads_path(request, cache_dir, target.name)
-    corpus = build_corpus(target.tokenizer, request.tokens, request.data)
+    chats = own_answers(target, request.answers, cache_dir, events) if request.answers else []
+    corpus = build_corpus(target.tokenizer, request.tokens, request.data, chats=chats)
     events.say(f"corpus: {corpus.tokens} tokens in {len(corpus.segments)} segments ({corpus.description})")
     folder = Path(cache_dir) / "heads" / slug(target.name) / "features" / dtype_name(target.dtype)
     features_started = time.perf_counter()
@@ -108,6 +116,68 @@ def train_heads(target: LoadedModel, request: TrainRequest, cache_dir: Path, eve
     save_heads(heads, path)
     trainer.checkpoint.unlink(missing_ok=True)
     return TrainOutcome(path, training)
+
+
+def answers_path(cache_dir: Path, target_name: str) -> Path:
+    return Path(cache_dir) / "heads" / slug(target_name) / "answers.jsonl"
+
+
+def own_answers(target: LoadedModel, count: int, cache_dir: Path, events: TrainEvents) -> list[list[dict[str, str]]]:
+    """The target's answers to `count` requests as chats, made where the file lacks them."""
+    wanted = requests(count)
+    path = answers_path(cache_dir, target.name)
+    missing = len(wanted) - len(set(wanted) & read_answers(path).keys())
+    if missing:
+        answer, how = answerer(target)
+        events.say(f"the target answers {missing} of {count} requests ({how}; kept in {path})")
+        make_answers(wanted, path, answer, events.answers)
+    made = read_answers(path)
+    return [[{"role": "user", "content": r}, {"role": "assistant", "content": made[r]}] for r in wanted]
+
+
+DEFAULT_ANSWERS = 150  # about 20,000 answer tokens: 13 minutes through llama.cpp on 2 cores (26 tok/s)
+
+
+def default_answers(target: LoadedModel) -> int:
+    """DEFAULT_ANSWERS where llama.cpp can answer (a GGUF target on the CPU, the extra
+    installed), else 0: through transformers they would take longer than the training."""
+    return DEFAULT_ANSWERS if _llama_cpp_file(target) is not None else 0
+
+
+def _llama_cpp_file(target: LoadedModel) -> Path | None:
+    from speccli.engine.llamacpp_backend import llama_cpp_problem
+
+    gguf = target.resolved.gguf_path
+    if gguf is None or target.device.type != "cpu" or llama_cpp_problem() is not None:
+        return None
+    return gguf
+
+
+def answerer(target: LoadedModel) -> tuple[Answer, str]:
+    """Greedy answers from the target, and how they are made: through llama.cpp when the
+    target is a GGUF file it can run (on a CPU several times faster than transformers),
+    else through the loaded model."""
+    from speccli.config import SamplingConfig, SpecConfig
+    from speccli.generation.pipeline import causal_lm
+    from speccli.generation.prompts import Prompt, has_chat_template
+    from speccli.generation.stream import Generator
+
+    lm, how = None, "through transformers"
+    gguf = _llama_cpp_file(target)
+    if gguf is not None:
+        from speccli.engine.llamacpp_backend import LlamaCppLM, LlamaCppWeights
+
+        lm, how = LlamaCppLM(LlamaCppWeights.load(gguf)), "through llama.cpp"
+    generator = Generator.over(lm or causal_lm(target), target.tokenizer, list(target.eos_token_ids), None, None)
+    spec = SpecConfig(k=1, max_new_tokens=ANSWER_TOKENS)
+    chat = has_chat_template(target.tokenizer)  # a base model without one continues the request
+
+    def answer(request: str) -> str:
+        ids = generator.encode(Prompt.of(request, chat=chat))
+        with torch.inference_mode():
+            return generator.stream(ids, SamplingConfig(), spec, plain=True).run().text
+
+    return answer, how
 
 
 def accuracy_line(kind: str, accuracy: Sequence[float]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import itertools
 import json
 import sysconfig
 from dataclasses import dataclass
@@ -164,16 +165,23 @@ def _documents(data: Sequence[Path], tokens: Tokens) -> Iterator[list[int]]:
                 yield tokens.chat([{"role": "user", "content": request}, {"role": "assistant", "content": answer}])
 
 
-def build_corpus(tokenizer: Any, max_tokens: int, data: Sequence[Path] = (), segment_tokens: int = SEGMENT_TOKENS) -> Corpus:
-    """`max_tokens` tokens (rounded up to whole segments) of the named data or the default
-    corpus, as one stream cut into segments of `segment_tokens`; fewer when the text runs out
-    (a shorter tail is dropped)."""
+def build_corpus(
+    tokenizer: Any,
+    max_tokens: int,
+    data: Sequence[Path] = (),
+    segment_tokens: int = SEGMENT_TOKENS,
+    chats: Sequence[Sequence[dict[str, str]]] = (),
+) -> Corpus:
+    """`max_tokens` tokens (rounded up to whole segments) of `chats` (the target's own answers,
+    speccli.heads.answers) and then the named data or the default corpus, as one stream cut
+    into segments of `segment_tokens`; fewer when the text runs out (a shorter tail is dropped)."""
     if max_tokens < segment_tokens:
         raise UsageError(f"--tokens must be at least {segment_tokens}, got {max_tokens}")
     tokens = Tokens(tokenizer)
     stream: list[int] = []
     segments: list[list[int]] = []
-    for document in _documents(data, tokens):
+    documents = itertools.chain((tokens.chat(chat) for chat in chats), _documents(data, tokens))
+    for document in documents:
         stream.extend(document)
         while len(stream) >= segment_tokens and len(segments) * segment_tokens < max_tokens:
             segments.append(stream[:segment_tokens])
@@ -184,4 +192,6 @@ def build_corpus(tokenizer: Any, max_tokens: int, data: Sequence[Path] = (), seg
         where = ", ".join(str(p) for p in data) if data else "the Python standard library"
         raise UsageError(f"no training text found in {where}", hint=f"give at least {segment_tokens} tokens of text")
     description = "default: Python standard library sources and chats made from them" if not data else "files: " + ", ".join(str(p) for p in data)
+    if chats:
+        description = f"{len(chats)} of the target's own answers, then {description.removeprefix('default: ')}"
     return Corpus(segments, description)

@@ -134,7 +134,9 @@ def requests(count: int, seed: int = 0) -> list[str]:
     stdlib = _stdlib_requests()
     made: list[str] = []
     seen: set[str] = set()
-    while len(made) < count:
+    for _ in range(50 * count):  # the templates make far more than are asked for; this only bounds the loop
+        if len(made) >= count:
+            break
         turn = len(made) % 5
         text = next(stdlib, None) if turn == 4 else makers[turn](rng)
         if text is None:

@@ -75,7 +75,7 @@ class BenchProgressDisplay(_BarDisplay):
 
 
 class TrainProgressDisplay(_BarDisplay):
-    """`specgen train`'s progress: the target's pass over the text, then the training steps;
+    """`specgen train`'s progress: the target's answers, its pass over the text, then the training steps;
     a Rich bar on a terminal, otherwise a line every 10%."""
 
     def __init__(self, say: Callable[[str], None], bar: bool) -> None:
@@ -104,6 +104,9 @@ class TrainProgressDisplay(_BarDisplay):
         if self._shown.get(phase, -1) < tenth:
             self._shown[phase] = tenth
             self._say(f"{phase}: {done}/{total}{detail}")
+
+    def answers(self, done: int, total: int) -> None:
+        self._update("the target's answers", done, total)
 
     def features(self, done: int, total: int) -> None:
         self._update("target features (tokens)", done, total)

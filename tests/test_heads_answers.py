@@ -1,0 +1,73 @@
+"""The target's own answers as training text: the requests, the resumable answers file, the corpus."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from speccli.heads.answers import make_answers, read_answers
+from speccli.heads.corpus import Tokens, build_corpus
+from speccli.heads.instructions import requests
+
+BENCH_PROMPTS = Path(__file__).resolve().parents[1] / "scripts" / "prompts" / "default.jsonl"
+
+
+def test_requests_are_the_same_every_time_unique_and_of_every_kind():
+    made = requests(120)
+    assert made == requests(120) and len(set(made)) == 120
+    assert requests(10) == made[:10]  # a larger count extends the list
+    assert requests(120, seed=1) != made
+    kinds = {
+        "chat": ("tips for", "email to", "Explain to a child", "pros and cons", "short story"),
+        "arithmetic": ("step by step", "Show your work", "When does it arrive", "% of", "notebooks cost"),
+        "translation": ("Translate into",),
+        "code": ("Write a Python function", "with a short Python example", "Explain what this Python function does"),
+    }
+    for kind, markers in kinds.items():
+        assert sum(any(m in r for m in markers) for r in made) >= 12, kind
+
+
+def test_no_request_is_a_benchmark_prompt():
+    # Heads trained on the benchmark's own prompts would be measured on text they had seen.
+    bench = set()
+    for line in BENCH_PROMPTS.read_text().splitlines():
+        item = json.loads(line)
+        for message in item.get("messages", []):
+            if message["role"] == "user":
+                bench.add(message["content"].strip())
+        if isinstance(item.get("prompt"), str):
+            bench.add(item["prompt"].strip())
+    assert bench and not bench & {r.strip() for r in requests(400)}
+
+
+def test_answers_are_made_once_and_resumed(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    asked: list[str] = []
+
+    def answer(request: str) -> str:
+        asked.append(request)
+        return f"answer to {request[:10]}"
+
+    first = requests(3)
+    make_answers(first, path, answer)
+    assert asked == first and len(path.read_text().splitlines()) == 3
+    # Killed in the middle of a line: that line is dropped and made again.
+    with path.open("a") as out:
+        out.write('{"messages": [{"role": "user", "content": "cut')
+    progress: list[tuple[int, int]] = []
+    more = requests(5)
+    make_answers(more, path, answer, lambda done, total: progress.append((done, total)))
+    assert asked == first + more[3:]
+    assert progress == [(3, 5), (4, 5), (5, 5)]
+    made = read_answers(path)
+    assert list(made) == more and made[more[4]] == f"answer to {more[4][:10]}"
+    assert all(json.loads(line)["messages"][1]["role"] == "assistant" for line in path.read_text().splitlines())
+
+
+def test_answers_come_first_in_the_corpus(tokenizer):
+    chats = [[{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4. " * 60}]]
+    corpus = build_corpus(tokenizer, 512, chats=chats, segment_tokens=64)
+    rendered = Tokens(tokenizer).chat(chats[0])
+    assert len(rendered) > 64 and corpus.segments[0] == rendered[:64]
+    assert corpus.segments != build_corpus(tokenizer, 512, segment_tokens=64).segments
+    assert corpus.description.startswith("1 of the target's own answers, then Python standard library")
