@@ -64,6 +64,13 @@ def test_answers_are_made_once_and_resumed(tmp_path):
     assert all(json.loads(line)["messages"][1]["role"] == "assistant" for line in path.read_text().splitlines())
 
 
+def test_a_first_answer_cut_short_is_made_again(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "cut')
+    make_answers(requests(1), path, lambda request: "done")
+    assert read_answers(path) == {requests(1)[0]: "done"} and len(path.read_text().splitlines()) == 1
+
+
 def test_answers_come_first_in_the_corpus(tokenizer):
     chats = [[{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4. " * 60}]]
     corpus = build_corpus(tokenizer, 512, chats=chats, segment_tokens=64)

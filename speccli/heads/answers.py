@@ -41,7 +41,7 @@ def make_answers(requests: Sequence[str], path: Path, answer: Answer, progress: 
     path.parent.mkdir(parents=True, exist_ok=True)
     made = read_answers(path)
     missing = [r for r in requests if r not in made]
-    if len(made) and path.read_bytes()[-1:] != b"\n":
+    if path.exists() and path.read_bytes()[-1:] not in (b"", b"\n"):
         # A line cut short by a kill: rewrite the file from what could be read.
         path.write_text("".join(_line(r, a) for r, a in made.items()), encoding="utf-8")
     done = len(requests) - len(missing)
