@@ -145,12 +145,13 @@ def default_answers(target: LoadedModel) -> int:
 
 
 def _llama_cpp_file(target: LoadedModel) -> Path | None:
-    from speccli.engine.llamacpp_backend import llama_cpp_problem
+    """The target's GGUF file where `--backend auto` would run it through llama.cpp."""
+    from speccli.config import LoadConfig
+    from speccli.models.loading import choose_backend
 
-    gguf = target.resolved.gguf_path
-    if gguf is None or target.device.type != "cpu" or llama_cpp_problem() is not None:
+    if choose_backend(LoadConfig(), target.resolved, target.device) != "llama.cpp":
         return None
-    return gguf
+    return target.resolved.gguf_path
 
 
 def answerer(target: LoadedModel) -> tuple[Answer, str]:
