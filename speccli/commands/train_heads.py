@@ -126,12 +126,13 @@ def own_answers(target: LoadedModel, count: int, cache_dir: Path, events: TrainE
     """The target's answers to `count` requests as chats, made where the file lacks them."""
     wanted = requests(count)
     path = answers_path(cache_dir, target.name)
-    missing = len(wanted) - len(set(wanted) & read_answers(path).keys())
-    if missing:
-        answer, how = answerer(target)
-        events.say(f"the target answers {missing} of {count} requests ({how}; kept in {path})")
-        make_answers(wanted, path, answer, events.answers)
     made = read_answers(path)
+    missing = [r for r in wanted if r not in made]
+    if missing:
+        answer, how = answerer(target)  # loads a model: only when answers are missing
+        events.say(f"the target answers {len(missing)} of {count} requests ({how}; kept in {path})")
+        make_answers(wanted, path, answer, events.answers)
+        made = read_answers(path)
     return [[{"role": "user", "content": r}, {"role": "assistant", "content": made[r]}] for r in wanted]
 
 
