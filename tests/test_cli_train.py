@@ -106,6 +106,10 @@ def test_train_on_the_targets_own_answers(setup, tmp_path):
     assert chats[0][1]["content"] == setup["tokenizer"].decode(expected, skip_special_tokens=True)
     again = specgen(*args, cache=tmp_path)  # made once: a rerun reads them back
     assert again.returncode == 0 and "the target answers" not in again.stderr.decode()
+    # By default, with answers: 256 tokens per answer and 8 passes.
+    default = specgen(*args[:6], "--vocab", "40", *ON_CPU, "--dtype", "float32", "--json", cache=tmp_path)
+    record = json.loads(default.stdout)
+    assert record["config"]["epochs"] == 8.0 and record["tokens"] + record["held_out_tokens"] == 2 * 256
     bad = specgen("train", "eagle", "--target", setup["target"], "--answers", "-1", cache=tmp_path)
     assert bad.returncode == 2 and "--answers must be 0 or more, got -1" in bad.stderr.decode()
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from speccli.commands.train_heads import _fitting
 from speccli.heads.answers import make_answers, read_answers
 from speccli.heads.corpus import Tokens, build_corpus
 from speccli.heads.instructions import requests
@@ -44,9 +47,9 @@ def test_answers_are_made_once_and_resumed(tmp_path):
     path = tmp_path / "answers.jsonl"
     asked: list[str] = []
 
-    def answer(request: str) -> str:
-        asked.append(request)
-        return f"answer to {request[:10]}"
+    def answer(batch: list[str]) -> list[str]:
+        asked.extend(batch)
+        return [f"answer to {request[:10]}" for request in batch]
 
     first = requests(3)
     make_answers(first, path, answer)
@@ -67,8 +70,33 @@ def test_answers_are_made_once_and_resumed(tmp_path):
 def test_a_first_answer_cut_short_is_made_again(tmp_path):
     path = tmp_path / "answers.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "cut')
-    make_answers(requests(1), path, lambda request: "done")
+    make_answers(requests(1), path, lambda batch: ["done"] * len(batch))
     assert read_answers(path) == {requests(1)[0]: "done"} and len(path.read_text().splitlines()) == 1
+
+
+def test_answers_are_asked_for_in_batches_and_kept_after_each(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    batches: list[int] = []
+    lines_before: list[int] = []
+
+    def answer(batch: list[str]) -> list[str]:
+        batches.append(len(batch))
+        lines_before.append(len(path.read_text().splitlines()) if path.exists() else 0)
+        return [request.upper() for request in batch]
+
+    progress: list[tuple[int, int]] = []
+    make_answers(requests(7), path, answer, lambda done, total: progress.append((done, total)), batch=3)
+    assert batches == [3, 3, 1] and lines_before == [0, 3, 6]
+    assert progress == [(0, 7), (3, 7), (6, 7), (7, 7)]
+    assert read_answers(path) == {r: r.upper() for r in requests(7)}
+    with pytest.raises(ValueError, match="2 requests got 1 answers"):
+        make_answers(requests(9), path, lambda batch: batch[:1], batch=2)
+
+
+def test_a_batch_is_cut_where_its_prompts_and_answers_would_not_fit_the_cache():
+    prompts = [[1] * 10, [2] * 30, [3] * 5, [4] * 80]
+    assert _fitting(prompts, 20, 100) == [[[1] * 10, [2] * 30], [[3] * 5], [[4] * 80]]
+    assert _fitting(prompts, 0, 1000) == [prompts]
 
 
 def test_answers_come_first_in_the_corpus(tokenizer):

@@ -397,3 +397,46 @@ def test_an_interrupted_pass_forgets_the_cache_rather_than_trust_it(smollm2):
     lm._lc = library
     assert list(lm.cached_tokens) == []
     assert torch.equal(lm.forward(ids[:12]), _lm(loaded).forward(ids[:12]))
+
+
+def _greedy_alone(loaded, prompt: list[int], new_tokens: int, stop: set[int]) -> tuple[list[int], list[float]]:
+    """One prompt's greedy continuation through forward(), and the gap of its top two logits at each token."""
+    lm = _lm(loaded)
+    logits = lm.forward(prompt, all_logits=False)[-1]
+    tokens: list[int] = []
+    gaps: list[float] = []
+    while len(tokens) < new_tokens:
+        top = logits.topk(2)
+        token = int(top.indices[0])
+        gaps.append(float(top.values[0] - top.values[1]))
+        if token in stop:
+            break
+        tokens.append(token)
+        logits = lm.forward([token])[-1]
+    return tokens, gaps
+
+
+def test_a_batch_of_prompts_continues_each_as_it_would_alone(smollm2):
+    loaded, _ = smollm2
+    from speccli.engine.llamacpp_backend import LlamaCppError, LlamaCppLM
+
+    prompts = [_ids(loaded), _ids(loaded, "The capital of France is"), _ids(loaded, "1, 2, 3, 4,"), _ids(loaded, "Hello")]
+    stop = {int(_ids(loaded, ".")[0])}  # ends " Paris." early, not " 5, 6, 7, 8,"
+    lm = LlamaCppLM(loaded.model, n_ctx=512)
+    lm.forward(prompts[0][:5])  # whatever the cache held is dropped first
+    batched = lm.greedy_batch(prompts, 12, stop)
+    assert list(lm.cached_tokens) == []
+    assert len(batched) == 4
+    for prompt, continuation in zip(prompts, batched):
+        alone, gaps = _greedy_alone(loaded, prompt, 12, stop)
+        same = 0
+        while same < min(len(alone), len(continuation)) and alone[same] == continuation[same]:
+            same += 1
+        if (same, len(continuation)) != (len(alone), len(alone)):
+            assert gaps[same] < ROUNDING  # a batched pass rounds differently: only at a near-tie
+        assert not stop & set(continuation) and len(continuation) <= 12
+    assert any(len(c) < 12 for c in batched) and any(len(c) == 12 for c in batched)
+    # The context must hold every prompt and answer together.
+    with pytest.raises(LlamaCppError, match="context is full"):
+        LlamaCppLM(loaded.model, n_ctx=256).greedy_batch(prompts * 4, 12, stop)
+    assert lm.greedy_batch([prompts[2]], 0, stop) == [[]]

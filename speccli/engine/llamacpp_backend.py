@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -321,6 +321,51 @@ class LlamaCppLM:
             self._lc.llama_memory_seq_cp(self._memory, entry.sequence, 0, entry.position, entry.position + 1)
         self._close_window()
         self._tokens.extend(tokens)
+
+    def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: Collection[int]) -> list[list[int]]:
+        """Greedy continuations of several prompts at once (at most MAX_SEQUENCES), each
+        its own sequence in the cache, one token of every unfinished one per pass: on a CPU
+        a pass over 16 tokens costs a fraction of 16 one-token passes. A continuation ends
+        before a `stop` token or at `max_new_tokens`. Not for speculative decoding: the
+        cache is cleared before and after. Rows of a batched pass may round differently
+        from a lone one's, so near-ties can go the other way than in `forward`."""
+        if len(prompts) > MAX_SEQUENCES:
+            raise ValueError(f"at most {MAX_SEQUENCES} prompts at once, got {len(prompts)}")
+        if any(not prompt for prompt in prompts):
+            raise ValueError("every prompt needs at least one token")
+        needed = sum(len(prompt) + max_new_tokens for prompt in prompts)
+        if needed > self._n_ctx:
+            raise LlamaCppError(f"the context is full: {needed} positions asked for, {self._n_ctx} held")
+        started = time.perf_counter()
+        self._reset()
+        outputs: list[list[int]] = [[] for _ in prompts]
+        try:
+            entries = [(token, position, s) for s, prompt in enumerate(prompts) for position, token in enumerate(prompt)]
+            last = {(s, len(prompt) - 1) for s, prompt in enumerate(prompts)}
+            rows: list[torch.Tensor] = []
+            for chunk in range(0, len(entries), self._n_batch):
+                part = entries[chunk : chunk + self._n_batch]
+                rows.append(self._decode([t for t, _, _ in part], [p for _, p, _ in part], [(s,) for _, _, s in part],
+                                         [(s, p) in last for _, p, s in part]))
+            logits = torch.cat(rows)  # one row per prompt, in order
+            live = list(range(len(prompts)))
+            while live and max_new_tokens > 0:
+                chosen = logits.argmax(-1).tolist()
+                still: list[int] = []
+                for sequence, token in zip(live, chosen):
+                    if token in stop:
+                        continue
+                    outputs[sequence].append(token)
+                    if len(outputs[sequence]) < max_new_tokens:
+                        still.append(sequence)
+                live = still
+                if live:
+                    positions = [len(prompts[s]) + len(outputs[s]) - 1 for s in live]
+                    logits = self._decode([outputs[s][-1] for s in live], positions, [(s,) for s in live], [True] * len(live))
+        finally:
+            self._reset()
+            self.forward_seconds += time.perf_counter() - started
+        return outputs
 
     # ------------------------------------------------------------------ internals
 

@@ -3,9 +3,9 @@ file: the text heads draft in is the target's answers, and heads trained on the 
 library's sources alone guess much worse there (the EAGLE head trained on them: 57% of the
 stdlib's held-out tokens, 31% of the target's held-out answers).
 
-Answers are greedy, one request after another, appended to the file as they come: a run cut
-short resumes with the first request the file lacks, and a larger count reuses the answers
-already made.
+Answers are greedy, made a batch of requests at a time and appended to the file as they come:
+a run cut short resumes with the first request the file lacks, and a larger count reuses
+the answers already made.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
-Answer = Callable[[str], str]  # a request in, the target's answer out
+Answer = Callable[[Sequence[str]], list[str]]  # requests in, the target's answers out, in order
 Progress = Callable[[int, int], None]  # (answers made, answers asked for)
 
 ANSWER_TOKENS = 192  # new tokens per answer at most
@@ -35,9 +35,11 @@ def read_answers(path: Path) -> dict[str, str]:
     return answers
 
 
-def make_answers(requests: Sequence[str], path: Path, answer: Answer, progress: Progress | None = None) -> Path:
+def make_answers(
+    requests: Sequence[str], path: Path, answer: Answer, progress: Progress | None = None, batch: int = 1
+) -> Path:
     """The file of chats (user: request, assistant: the target's answer) for `requests`,
-    making only the answers it lacks."""
+    making only the answers it lacks, `batch` requests per call of `answer`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     made = read_answers(path)
     missing = [r for r in requests if r not in made]
@@ -48,10 +50,14 @@ def make_answers(requests: Sequence[str], path: Path, answer: Answer, progress: 
     if progress is not None:
         progress(done, len(requests))
     with path.open("a", encoding="utf-8") as out:
-        for request in missing:
-            out.write(_line(request, answer(request)))
+        for first in range(0, len(missing), max(1, batch)):
+            asked = missing[first : first + max(1, batch)]
+            answers = answer(asked)
+            if len(answers) != len(asked):
+                raise ValueError(f"{len(asked)} requests got {len(answers)} answers")
+            out.write("".join(_line(r, a) for r, a in zip(asked, answers)))
             out.flush()
-            done += 1
+            done += len(asked)
             if progress is not None:
                 progress(done, len(requests))
     return path
