@@ -387,10 +387,10 @@ def train(
     kind: str = typer.Argument(..., help="medusa (K heads on the target's last hidden state) or eagle (one decoder layer drafting in feature space)."),
     target: TargetOpt = None,
     data: list[str] = typer.Option([], "--data", help="Training text: files or folders of text or code, or .jsonl (messages, prompt/response, instruction/output or text). Repeatable. Default: the Python standard library's sources and chat turns made from them (no network)."),
-    tokens: Optional[int] = typer.Option(None, "--tokens", help="Tokens of text to train on (5% held out for accuracy), the target's answers first. The target's pass over them takes about 9 minutes per 64,000 tokens on 2 cores in bfloat16; it is cached, so a rerun or the other kind skips it. Default: 256 per answer (every answer, then a little stdlib text), or 180,000 without answers."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Tokens of text to train on (5% held out for accuracy), the target's answers first. The target's pass over them takes about 9 minutes per 64,000 tokens on 2 cores in bfloat16; it is cached, so a rerun or the other kind skips it. Default: 256 per answer (every answer, then a little stdlib text), or 180,000 without answers or with --data."),
     out: Optional[str] = typer.Option(None, "--out", help="Where to save the heads (a folder or a .safetensors file). Default: the cache, where --draft medusa|eagle finds them."),
     answers: Optional[int] = typer.Option(None, "--answers", help="Requests (made offline: code, explanations, chat, arithmetic, translation) the target answers first, greedily, to train on its own answers, which is the text the heads draft in; they come first in the --tokens. Kept in the cache and resumed if cut short. Default: 250 where the target is a GGUF file llama.cpp can run (about 18 minutes on 2 cores, 16 requests at a time), else 0 (through transformers they take several times longer)."),
-    epochs: Optional[float] = typer.Option(None, "--epochs", help="Passes over the training text. Default: 8 with the target's answers, else 4."),
+    epochs: Optional[float] = typer.Option(None, "--epochs", help="Passes over the training text. Default: 8 with the target's answers and the default text, else 4."),
     heads: int = typer.Option(4, "--heads", help="Medusa: number of heads (head i guesses the token i+1 past the next)."),
     vocab: int = typer.Option(8192, "--vocab", help="Draft vocabulary: the heads propose only the most frequent ids of the text (the output layer is most of a head's cost)."),
     batch: int = typer.Option(8, "--batch", help="Segments of 256 tokens per optimizer step."),
@@ -447,7 +447,7 @@ def train(
         target_config, _ = options.configs()
         loaded = load_model(options.target, target_config, progress)
         asked = default_answers(loaded) if answers is None else answers
-        text_tokens, passes = default_text(asked)
+        text_tokens, passes = default_text(asked, own_data=bool(data))
         config = default_config(
             name, heads=heads, vocab=vocab, epochs=epochs or passes, batch_segments=batch,
             learning_rate=learning_rate, seed=seed, bf16=autocast_bf16(loaded),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from speccli.commands.train_heads import _fitting
+from speccli.commands.train_heads import _fitting, default_text
 from speccli.heads.answers import make_answers, read_answers
 from speccli.heads.corpus import Tokens, build_corpus
 from speccli.heads.instructions import requests
@@ -106,3 +106,8 @@ def test_answers_come_first_in_the_corpus(tokenizer):
     assert len(rendered) > 64 and corpus.segments[0] == rendered[:64]
     assert corpus.segments != build_corpus(tokenizer, 512, segment_tokens=64).segments
     assert corpus.description.startswith("1 of the target's own answers, then Python standard library")
+
+
+def test_answers_shorten_the_default_text_but_not_the_users_own():
+    assert default_text(250, own_data=False) == (64_000, 8.0)
+    assert default_text(250, own_data=True) == default_text(0, own_data=False) == (180_000, 4.0)

@@ -146,9 +146,10 @@ DEFAULT_EPOCHS = 4.0
 EPOCHS_WITH_ANSWERS = 8.0
 
 
-def default_text(answers: int) -> tuple[int, float]:
-    """The default (--tokens, --epochs) for `answers` of the target's answers."""
-    if answers > 0:
+def default_text(answers: int, own_data: bool) -> tuple[int, float]:
+    """The default (--tokens, --epochs) for `answers` of the target's answers, with the
+    user's --data or the stdlib's text after them (the user's text is not cut to a little)."""
+    if answers > 0 and not own_data:
         return answers * TOKENS_PER_ANSWER, EPOCHS_WITH_ANSWERS
     return DEFAULT_TOKENS, DEFAULT_EPOCHS
 
