@@ -1,6 +1,7 @@
 """`specgen train medusa|eagle`: the target loaded, its own answers made (speccli.heads.answers),
-a corpus built, the target's features extracted (cached on disk, resumable), the heads trained (checkpointed, resumable), measured
-on held-out text and saved where `--draft medusa|eagle` finds them."""
+a corpus built, the target's features extracted (cached on disk, resumable), the heads
+trained (checkpointed, resumable), measured on held-out text and saved where
+`--draft medusa|eagle` finds them."""
 
 from __future__ import annotations
 
@@ -193,10 +194,10 @@ def answerer(target: LoadedModel) -> tuple[Answer, str, int]:
         stop = set(target.eos_token_ids)
         encode = Generator.over(lm, target.tokenizer, list(stop), None, None).encode
 
-        def answer_batch(requests: Sequence[str]) -> list[str]:
-            prompts = [encode(Prompt.of(r, chat=chat)) for r in requests]
+        def answer_batch(asked: Sequence[str]) -> list[str]:
+            prompts = [encode(Prompt.of(r, chat=chat)) for r in asked]
             answers: list[list[int]] = []
-            for part in _fitting(prompts, ANSWER_TOKENS, lm.max_length or ANSWER_CONTEXT):
+            for part in _fitting(prompts, ANSWER_TOKENS, ANSWER_CONTEXT):
                 answers += lm.greedy_batch(part, ANSWER_TOKENS, stop)
             return [target.tokenizer.decode(ids) for ids in answers]
 
@@ -205,11 +206,11 @@ def answerer(target: LoadedModel) -> tuple[Answer, str, int]:
     generator = Generator.over(causal_lm(target), target.tokenizer, list(target.eos_token_ids), None, None)
     spec = SpecConfig(k=1, max_new_tokens=ANSWER_TOKENS)
 
-    def answer_each(requests: Sequence[str]) -> list[str]:
+    def answer_each(asked: Sequence[str]) -> list[str]:
         with torch.inference_mode():
             return [
                 generator.stream(generator.encode(Prompt.of(r, chat=chat)), SamplingConfig(), spec, plain=True).run().text
-                for r in requests
+                for r in asked
             ]
 
     return answer_each, "through transformers", 1
