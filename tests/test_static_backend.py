@@ -240,3 +240,58 @@ def test_graphed_decoding_equals_target_greedy_on_cuda(cuda_pair, tokenizer):
     assert target.graphs_error is None and draft.graphs_error is None
     assert target.graphed_sizes and 1 in draft.graphed_sizes
     assert target.capacity > 32
+
+
+@pytest.mark.cuda
+def test_graphed_tree_passes_give_the_eager_logits(tokenizer):
+    from speccli.engine.tree import ROOT, TokenTree
+
+    model = tiny_llama(len(tokenizer), seed=1, logit_scale=20.0).to(device="cuda")
+    graphed = wrap_static(model, max_fed=9)
+    eager = wrap_static(model, graphs=False)
+    prompt = encode(tokenizer, "def fib(n):\n    return")
+    graphed.forward(prompt[:-1])
+    eager.forward(prompt[:-1])
+    cached = len(prompt) - 1
+    tree = TokenTree([10, 11, 12, 13, 14], [ROOT, 0, 0, 1, ROOT])
+    fed = [prompt[-1], *tree.tokens]
+    positions = [cached + d for d in tree.fed_depths()]
+    for _ in range(2):  # captured, then replayed
+        torch.testing.assert_close(
+            graphed.forward_tree(fed, positions, tree.visibility(), cached),
+            eager.forward_tree(fed, positions, tree.visibility(), cached),
+            rtol=1e-5, atol=1e-5,
+        )
+        graphed.rollback(cached)
+        eager.rollback(cached)
+    # A chain of the same size has its own graph (its mask comes from the positions).
+    torch.testing.assert_close(graphed.forward(fed), eager.forward(fed), rtol=1e-5, atol=1e-5)
+    assert graphed.graphs_error is None
+    assert graphed.graphed_tree_sizes == [6] and graphed.graphed_sizes == [6]
+
+
+@pytest.mark.cuda
+def test_graphed_trees_and_lookahead_equal_target_greedy_on_cuda(cuda_pair, tokenizer):
+    from speccli.engine.lookahead import LookaheadDrafter
+
+    def expected(ids):
+        out = cuda_pair.target.generate(torch.tensor([ids], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False)
+        tokens = out[0, len(ids):].tolist()
+        return tokens[: tokens.index(EOS)] if EOS in tokens else tokens
+
+    target = wrap_static(cuda_pair.target, max_fed=32)
+    draft = wrap_static(cuda_pair.draft, max_fed=32)
+    trees = SpeculativeDecoder(target, tokenizer, [EOS], ModelDrafter(draft, len(tokenizer)))
+    for prompt in PROMPTS[:4]:
+        ids = encode(tokenizer, prompt)
+        events = list(trees.generate(ids, SamplingConfig(), SpecConfig(k=4, max_new_tokens=MAX_NEW, tree=True)))
+        assert emitted(events) == expected(ids), prompt
+    lookahead_target = wrap_static(cuda_pair.target, max_fed=32)
+    lookahead = SpeculativeDecoder(lookahead_target, tokenizer, [EOS], LookaheadDrafter())
+    for prompt in PROMPTS[:4]:
+        ids = encode(tokenizer, prompt)
+        events = list(lookahead.generate(ids, SamplingConfig(), SpecConfig(k=3, max_new_tokens=MAX_NEW)))
+        assert emitted(events) == expected(ids), prompt
+    for lm in (target, draft, lookahead_target):
+        assert lm.graphs_error is None
+    assert target.graphed_tree_sizes and lookahead_target.graphed_tree_sizes

@@ -26,8 +26,10 @@ preallocated (static) KV cache, and input buffers that are refilled in place.
 * On CUDA with graphs on, each fed size 1..`max_fed` is captured once as a CUDA graph over
   static buffers (input ids, positions; the mask is computed inside the graph from the
   positions) after a warm-up on a side stream, as PyTorch documents, and replayed from then
-  on. The one-token draft step is size 1. All graphs share one memory pool: they are only
-  ever replayed one at a time, and each output is copied out before the next replay.
+  on. The one-token draft step is size 1. Tree passes (token trees, lookahead) get their
+  own graph per fed size, whose 4-D mask is read from a static buffer: a tree's mask does
+  not follow from its positions. All graphs share one memory pool: they are only ever
+  replayed one at a time, and each output is copied out before the next replay.
   A model whose pass cannot be captured (a capture error, e.g. a kernel that synchronises)
   falls back to eager passes over the same static cache; `graphs_error` says why.
 * On the CPU (or with graphs off) the same class runs every pass eagerly, so CI tests it.
@@ -44,7 +46,9 @@ import torch
 from speccli.engine.backends import TransformersLM, check_tree_pass
 
 DEFAULT_CAPACITY = 4096
-DEFAULT_MAX_FED = 16  # verification feeds k + 1 tokens; k auto goes up to 8 by default
+# Verification feeds k + 1 tokens (calibration times up to 17); a tree or lookahead pass the
+# pending token, the nodes and the window: 32 covers them. Sizes are captured on first use.
+DEFAULT_MAX_FED = 32
 PREFILL_CHUNK = 512
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -100,12 +104,13 @@ class StaticCausalLM(TransformersLM):
         self.graphs_enabled = bool(graphs) and self._device.type == "cuda"
         self.graphs_error: str | None = None
         self._cache = self._new_cache(self._capacity)
-        # Per fed size: the graph, its logits buffer, and its hidden-states buffer (None
-        # when it was captured before hidden states were asked for).
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        # Per (fed size, tree pass): the graph, its logits buffer, and its hidden-states
+        # buffer (None when it was captured before hidden states were asked for).
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self._pool = None
         self._ids_buffer: torch.Tensor | None = None
         self._positions_buffer: torch.Tensor | None = None
+        self._mask_buffer: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ protocol
 
@@ -116,8 +121,13 @@ class StaticCausalLM(TransformersLM):
 
     @property
     def graphed_sizes(self) -> list[int]:
-        """The fed sizes captured as CUDA graphs so far."""
-        return sorted(self._graphs)
+        """The fed sizes of chain passes captured as CUDA graphs so far."""
+        return sorted(n for n, tree in self._graphs if not tree)
+
+    @property
+    def graphed_tree_sizes(self) -> list[int]:
+        """The fed sizes of tree passes captured as CUDA graphs so far."""
+        return sorted(n for n, tree in self._graphs if tree)
 
     def capture_hidden(self) -> None:
         if self._hidden_hook is None:
@@ -135,7 +145,7 @@ class StaticCausalLM(TransformersLM):
         try:
             with torch.inference_mode():
                 if self.graphs_enabled and len(token_ids) <= self.max_fed:
-                    logits = self._replay(token_ids, start)
+                    logits = self._replay(token_ids, list(range(start, start + len(token_ids))), start)
                 else:
                     logits = self._eager_chunks(token_ids, start, all_logits)
         except BaseException:
@@ -153,19 +163,21 @@ class StaticCausalLM(TransformersLM):
     def forward_tree(
         self, token_ids: Sequence[int], positions: Sequence[int], visible: torch.Tensor, window_start: int
     ) -> torch.Tensor:
-        """Tree passes run eagerly (the graphs are captured for chains, whose mask follows
-        from the positions alone)."""
+        """Tree passes replay a graph per fed size too; theirs reads the mask from a static
+        buffer (a tree's mask does not follow from its positions, as a chain's does)."""
         check_tree_pass(token_ids, positions)
+        token_ids, positions = list(token_ids), list(positions)
         n, start = len(token_ids), len(self._tokens)
         started = time.perf_counter()
         self.reserve(start + n)
         self._hidden_parts = []
         try:
             with torch.inference_mode():
-                ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)
-                where = torch.tensor([list(positions)], dtype=torch.long, device=self._device)
                 mask = self._tree_mask(n, start, window_start, visible, self._capacity)
-                logits = self._run(self._cache, ids, where, all_logits=True, mask=mask)[0].float()
+                if self.graphs_enabled and n <= self.max_fed:
+                    logits = self._replay(token_ids, positions, start, mask)
+                else:
+                    logits = self._eager_tree(token_ids, positions, mask)
         except BaseException:
             self._set_length(start)
             raise
@@ -285,6 +297,11 @@ class StaticCausalLM(TransformersLM):
                 rows.append(logits[0, -1:].float())
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
+    def _eager_tree(self, token_ids: list[int], positions: list[int], mask: torch.Tensor) -> torch.Tensor:
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self._device)
+        where = torch.tensor([positions], dtype=torch.long, device=self._device)
+        return self._run(self._cache, ids, where, all_logits=True, mask=mask)[0].float()
+
     # ------------------------------------------------------------------ CUDA graphs
 
     def _drop_graphs(self) -> None:
@@ -292,28 +309,42 @@ class StaticCausalLM(TransformersLM):
         self._pool = None
         self._ids_buffer = None
         self._positions_buffer = None
+        self._mask_buffer = None
 
-    def _replay(self, token_ids: list[int], start: int) -> torch.Tensor:
+    def _replay(
+        self, token_ids: list[int], positions: list[int], start: int, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Replay the graph of this fed size (a chain's, or with `mask` a tree's), captured
+        on first use."""
         n = len(token_ids)
         if self._ids_buffer is None:
             self._ids_buffer = torch.zeros((1, self.max_fed), dtype=torch.long, device=self._device)
             self._positions_buffer = torch.zeros((1, self.max_fed), dtype=torch.long, device=self._device)
         # One host-to-device copy of ids and positions together.
-        host = torch.tensor([token_ids, list(range(start, start + n))], dtype=torch.long)
+        host = torch.tensor([token_ids, positions], dtype=torch.long)
         staged = host.to(self._device, non_blocking=True)
         self._ids_buffer[:, :n].copy_(staged[0:1])
         self._positions_buffer[:, :n].copy_(staged[1:2])
-        captured = self._graphs.get(n)
+        if mask is not None:
+            if self._mask_buffer is None:
+                self._mask_buffer = torch.zeros(
+                    (1, 1, self.max_fed, self._capacity), dtype=self._mask_dtype, device=self._device
+                )
+            self._mask_buffer[:, :, :n].copy_(mask)
+        key = (n, mask is not None)
+        captured = self._graphs.get(key)
         if captured is None:
             try:
                 with torch.cuda.device(self._device):  # capture on the model's device, not the current one
-                    captured = self._capture(n, start)
+                    captured = self._capture(n, start, tree=mask is not None)
             except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly from now on
                 self.graphs_error = f"{type(error).__name__}: {error}"
                 self.graphs_enabled = False
                 self._drop_graphs()
                 self._set_length(start)
                 self._hidden_parts = []
+                if mask is not None:
+                    return self._eager_tree(token_ids, positions, mask)
                 return self._eager_chunks(token_ids, start, all_logits=True)
         graph, output, hidden = captured
         with torch.cuda.device(self._device):
@@ -322,19 +353,22 @@ class StaticCausalLM(TransformersLM):
         self._hidden_parts = [] if hidden is None else [hidden.clone()]
         return output[0].to(torch.float32, copy=True)
 
-    def _capture(self, n: int, start: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
+    def _capture(
+        self, n: int, start: int, tree: bool = False
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         """Capture one pass of n tokens. The warm-up passes and the capture write at the
         current position (past the cached tokens: harmless) and advance the write position;
         it is put back to `start` before the graph is first replayed."""
         self._initialize(self._cache)
         ids = self._ids_buffer[:, :n]
         positions = self._positions_buffer[:, :n]
+        mask = self._mask_buffer[:, :, :n] if tree else None
         stream = torch.cuda.Stream(device=self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: lazy initialisations, cuBLAS handles, autotuning
                 self._set_length(start)
-                self._run(self._cache, ids, positions, all_logits=True)
+                self._run(self._cache, ids, positions, all_logits=True, mask=mask)
         torch.cuda.current_stream(self._device).wait_stream(stream)
         self._set_length(start)
         if self._pool is None:
@@ -342,10 +376,10 @@ class StaticCausalLM(TransformersLM):
         graph = torch.cuda.CUDAGraph()
         self._hidden_parts = []
         with torch.cuda.graph(graph, pool=self._pool):
-            output = self._run(self._cache, ids, positions, all_logits=True)
+            output = self._run(self._cache, ids, positions, all_logits=True, mask=mask)
         # The hook saw the graph's own hidden-states tensor: replays refill it in place.
         hidden = self._hidden_parts[-1] if self._hidden_parts else None
         # Capturing records the pass without running it; replay runs it from `start`.
         self._set_length(start)
-        self._graphs[n] = (graph, output, hidden)
+        self._graphs[(n, tree)] = (graph, output, hidden)
         return graph, output, hidden
