@@ -8,8 +8,9 @@
 #   2. scripts/benchmark.py, bfloat16, --cuda-graphs auto, the self draft (high acceptance):
 #      plain, chain drafts, token trees, prompt lookup and lookahead
 #   3. the same with the independent draft (acceptance near 0)
-#   4. the self draft with the target in bitsandbytes NF4 (QUANT4=0 skips it)
-#   5. the self draft with --cuda-graphs off (DynamicCache-like eager passes)
+#   4. the self draft with a fixed k of 4 (what drafting gives, whatever k auto chooses)
+#   5. the self draft with the target in bitsandbytes NF4 (QUANT4=0 skips it)
+#   6. the self draft with --cuda-graphs off (eager passes; NO_GRAPHS=0 skips it)
 #
 #   bash scripts/gpu_benchmark.sh [OUT_DIR]
 #
@@ -19,7 +20,8 @@
 # LIMIT (prompts, 4), NEW (new tokens per prompt, 64), PAIR (where the models go; an existing pair
 # is reused), TESTS (1: run the suite first), TEST_SECONDS (150), STAGE_SECONDS (a factor on each
 # benchmark's limit, 1). Every stage is cut at its limit (about 8 minutes in all) and the next one
-# runs, so one slow stage costs only itself.
+# runs, so one slow stage costs only itself. SNAPSHOT (a .tgz path): the results folder is packed
+# there after every stage, so a run cut short still returns what it measured.
 set -uo pipefail
 out=${1:-${OUT:-bench-gpu}}
 scale=${SCALE:-real}
@@ -33,7 +35,10 @@ stretch=${STAGE_SECONDS:-1}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 started=$SECONDS
-stamp() { echo "[gpu_benchmark +$((SECONDS - started)) s] $*" | tee -a "$out/stages.txt" >&2; }
+stamp() {
+    echo "[gpu_benchmark +$((SECONDS - started)) s] $*" | tee -a "$out/stages.txt" >&2
+    if [[ -n ${SNAPSHOT:-} ]]; then tar czf "$SNAPSHOT" -C "$(dirname "$out")" "$(basename "$out")"; fi
+}
 
 if [[ $device == cuda* ]]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
@@ -59,14 +64,14 @@ if [[ -n $pair_pid ]]; then
 fi
 cp "$pair/synthetic.json" "$out/"
 
-bench() {  # name, seconds, draft folder, --cuda-graphs, --quant, methods, [limit]
+bench() {  # name, seconds, draft folder, --cuda-graphs, --quant, methods, [limit], [k]
     local name=$1 seconds=$(( $2 * stretch ))
     shift 2
     stamp "benchmark $name (cut at $seconds s)"
     timeout -s INT -k 20 "$seconds" \
         python scripts/benchmark.py --device "$device" --quant "$3" --dtypes "$dtype" \
         --target "$pair/target" --draft "$1" --cuda-graphs "$2" \
-        --limit "${5:-$limit}" --max-new-tokens "$new" --methods "$4" \
+        --limit "${5:-$limit}" --max-new-tokens "$new" --methods "$4" --k "${6:-auto}" \
         --json-out "$out/$name.json" >"$out/$name.txt" 2>&1
     local rc=$?
     stamp "benchmark $name exited $rc"
@@ -76,9 +81,12 @@ status=0
 all=hf-plain,specgen-plain,specgen-draft,specgen-tree,specgen-ngram,specgen-ngram-tree,specgen-lookahead
 bench self-draft 140 "$pair/self-draft" auto none "$all" || status=1
 bench independent-draft 70 "$pair/draft" auto none hf-plain,specgen-plain,specgen-draft,specgen-tree || status=1
+bench self-draft-k4 60 "$pair/self-draft" auto none hf-plain,specgen-plain,specgen-draft,specgen-tree "$limit" 4 || status=1
 if [[ ${QUANT4:-1} == 1 && $device == cuda* ]]; then
     bench self-draft-nf4 80 "$pair/self-draft" auto 4bit hf-plain,specgen-plain,specgen-draft,specgen-tree || status=1
 fi
-bench self-draft-no-graphs 45 "$pair/self-draft" off none hf-plain,specgen-plain,specgen-draft 2 || status=1
+if [[ ${NO_GRAPHS:-1} == 1 ]]; then
+    bench self-draft-no-graphs 45 "$pair/self-draft" off none hf-plain,specgen-plain,specgen-draft 2 || status=1
+fi
 stamp "done (results in $out)"
 exit $status

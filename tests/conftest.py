@@ -109,7 +109,10 @@ def isolated_env(home: Path, **extra: str) -> dict[str, str]:
         "XDG_STATE_HOME": str(home / "state"),
         "SPECGEN_CACHE": str(home / "specgen-cache"),
         "PYTHONUSERBASE": os.environ.get("PYTHONUSERBASE", site.getuserbase()),
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        # The checkout first, then what the caller's PYTHONPATH held (packages installed with --target).
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
         "OMP_NUM_THREADS": "1",  # as above: tiny models on a shared 2-core machine
     }
     return {**env, **extra}

@@ -12,7 +12,7 @@ from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.calibration import CostProfile
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.events import StepEvent, TokenEvent
-from speccli.engine.lookahead import DEFAULT_SHAPE, LookaheadDrafter, LookaheadShape, choose_shape
+from speccli.engine.lookahead import DEFAULT_SHAPE, LookaheadDrafter, LookaheadGate, LookaheadShape, choose_shape
 from speccli.engine.tree import ROOT, TokenTree, TreeShape
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, encode
 
@@ -136,3 +136,55 @@ def test_lookahead_falls_back_to_plain_decoding_where_no_shape_pays(pairs, token
     steps = [e for e in events if isinstance(e, StepEvent)]
     assert all(e.fed == 1 and not e.tree for e in steps)
     assert all(e.provenance.value == "target" for e in events if isinstance(e, TokenEvent))
+
+
+class TestGate:
+    @staticmethod
+    def run(gate: LookaheadGate, steps: int, accepted: int, plain: float = 0.10, lookahead: float = 0.13) -> list[int]:
+        """Feed the gate steps: lookahead steps accept `accepted` tokens and take `lookahead` s."""
+        chosen = []
+        for i in range(steps):
+            k = gate.next_k()
+            chosen.append(k)
+            if k:
+                gate.observe(StepEvent(i, k, accepted, 0.0, lookahead, fed=17, tree=True))
+            else:
+                gate.observe(StepEvent(i, 0, 0, 0.0, plain, fed=1))
+        return chosen
+
+    def test_where_nothing_is_accepted_plain_steps_follow_with_probes_that_back_off(self):
+        gate = LookaheadGate(2, plain_seconds=0.10, lookahead_seconds=0.13, min_steps=4, probe_every=8, max_backoff=2)
+        chosen = self.run(gate, 4 + 8 + 4 + 16 + 4 + 32 + 4 + 32 + 4, accepted=0)
+        runs = "".join("L" if k else "." for k in chosen)
+        assert runs == "LLLL" + "." * 8 + "LLLL" + "." * 16 + "LLLL" + "." * 32 + "LLLL" + "." * 32 + "LLLL"
+        assert not gate.pays()
+
+    def test_where_guesses_come_true_lookahead_stays_on(self):
+        gate = LookaheadGate(2, plain_seconds=0.10, lookahead_seconds=0.13)
+        assert self.run(gate, 40, accepted=1) == [2] * 40  # 2 tokens in 0.13 s beat 1 in 0.10 s
+
+    def test_a_probe_that_finds_repetition_turns_lookahead_back_on(self):
+        gate = LookaheadGate(2, plain_seconds=0.10, lookahead_seconds=0.13, min_steps=4, probe_every=8)
+        self.run(gate, 12, accepted=0)  # off after 4 steps, 8 plain steps
+        assert self.run(gate, 30, accepted=2) == [2] * 30
+        assert gate.pays()
+
+    def test_without_measured_costs_it_learns_them_from_the_steps(self):
+        gate = LookaheadGate(2, plain_seconds=None, lookahead_seconds=None, min_steps=2, probe_every=4)
+        chosen = self.run(gate, 10, accepted=0, plain=0.1, lookahead=0.2)
+        # A run, one plain step to measure what it is judged against, the run goes on and is
+        # judged: off; 4 plain steps, a probe of 2 steps, off again.
+        assert chosen == [2, 2, 0, 2, 0, 0, 0, 0, 2, 2]
+        assert gate.plain_seconds == pytest.approx(0.1) and not gate.on
+
+
+def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
+    from speccli.engine.policy import FixedDraftLength
+
+    decoder = SpeculativeDecoder(wrap(pairs[0].target), tokenizer, [EOS], LookaheadDrafter())
+    decoder.costs = CostProfile({fed: 0.1 for fed in range(1, 18)}, None)
+    gate = decoder._policy_for(SpecConfig(k="auto", max_new_tokens=8))
+    assert isinstance(gate, LookaheadGate) and gate.k == DEFAULT_SHAPE.ngram - 1
+    assert (gate.plain_seconds, gate.lookahead_seconds) == (0.1, 0.1)
+    fixed = decoder._policy_for(SpecConfig(k=3, max_new_tokens=8))
+    assert isinstance(fixed, FixedDraftLength) and fixed.k == 3

@@ -25,7 +25,8 @@ from speccli.models.registry import (
 GGUF_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 # id 0 is <|endoftext|>: transformers' GGUF (byte-level BPE) tokenizer adds that token
 # when the vocabulary lacks it, which would make the tokenizer longer than the model.
-GGUF_TOKENS = ["<|endoftext|>", "<s>", "</s>"] + list(GGUF_ALPHABET) + ["ab"]
+# Two merges: transformers 5.17 reads a one-element merges array as a bare string.
+GGUF_TOKENS = ["<|endoftext|>", "<s>", "</s>"] + list(GGUF_ALPHABET) + ["ab", "cd"]
 
 
 def _permute(w: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
@@ -59,7 +60,7 @@ def write_tiny_gguf(path: Path, seed: int = 3, hidden: int = 64):
     writer.add_tokenizer_pre("default")
     writer.add_token_list(GGUF_TOKENS)
     writer.add_token_types([3, 3, 3] + [1] * (len(GGUF_TOKENS) - 3))
-    writer.add_token_merges(["a b"])
+    writer.add_token_merges(["a b", "c d"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)

@@ -48,6 +48,18 @@ def test_step_costs_smooth_new_measurements():
     assert costs.verify_seconds(1) == 2.0
 
 
+def test_one_outlier_moves_the_estimate_by_a_bounded_step_and_a_lasting_change_is_followed():
+    costs = StepCosts(smoothing=0.25)
+    costs.seed({1: 0.01, 2: 0.012}, draft_per_token=0.002)
+    # A first drafting step 100x slower than calibrated (a kernel loaded on first use):
+    costs.observe(StepEvent(1, 1, 1, 0.2, 0.012, fed=2))
+    assert costs.draft_per_token == pytest.approx(0.75 * 0.002 + 0.25 * 0.006)
+    # Measurements that stay 10x higher are followed.
+    for i in range(12):
+        costs.observe(StepEvent(2 + i, 1, 1, 0.02, 0.012, fed=2))
+    assert costs.draft_per_token == pytest.approx(0.02, rel=0.05)
+
+
 def train(policy: AdaptiveDraftLength, acceptance: float, verify, draft_per_token: float, steps: int = 60) -> list[int]:
     """Feed the policy steps whose drafted tokens survive with the given rate pattern."""
     chosen = []

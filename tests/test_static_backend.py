@@ -3,6 +3,8 @@ the DynamicCache backend; rollback only moves the write position; CUDA graphs on
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -42,6 +44,36 @@ def test_static_target_and_draft_equal_target_greedy(pairs, tokenizer, reference
         drafted += sum(e.drafted for e in events if isinstance(e, StepEvent))
     assert drafted > 0
     assert target.capacity > 16
+
+
+class CapturesOnFirstUse:
+    """A backend whose first pass of each size spends `pause` seconds of one-time setup, as
+    a CUDA graph capture does, and says so in `setup_seconds`."""
+
+    def __init__(self, lm, pause: float = 0.3) -> None:
+        self._lm, self._pause, self._sizes = lm, pause, set()
+        self.setup_seconds = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self._lm, name)
+
+    def forward(self, token_ids, all_logits=True):
+        if len(token_ids) not in self._sizes:
+            self._sizes.add(len(token_ids))
+            time.sleep(self._pause)
+            self.setup_seconds += self._pause
+        return self._lm.forward(token_ids, all_logits)
+
+
+def test_one_time_setup_inside_passes_is_kept_out_of_the_step_timings(pairs, tokenizer):
+    pair = pairs[0]
+    target, draft = CapturesOnFirstUse(wrap_static(pair.target)), CapturesOnFirstUse(wrap_static(pair.draft))
+    decoder = SpeculativeDecoder(target, tokenizer, [EOS], ModelDrafter(draft, len(tokenizer)))
+    events = list(decoder.generate(encode(tokenizer, PROMPTS[0]), SamplingConfig(), SpecConfig(k=3, max_new_tokens=12)))
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert target.setup_seconds >= 0.6 and draft.setup_seconds >= 0.6  # several sizes were "captured"
+    assert all(e.verify_seconds < 0.25 and e.draft_seconds - e.catch_up_seconds < 0.25 for e in steps)
+    assert all(e.catch_up_seconds < 0.25 for e in steps)
 
 
 def test_rollback_only_moves_the_write_position(pairs, tokenizer):

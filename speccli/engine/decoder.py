@@ -34,7 +34,7 @@ from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
 from speccli.engine.text import Detokenizer, OutputText
 from speccli.engine.context import check_fits
 from speccli.engine.lookahead import DEFAULT_SHAPE as DEFAULT_LOOKAHEAD
-from speccli.engine.lookahead import LookaheadDrafter
+from speccli.engine.lookahead import LookaheadDrafter, LookaheadGate
 from speccli.engine.lookahead import choose_shape as choose_lookahead_shape
 from speccli.engine.tree import TreeShape, kept_offsets, verify_tree_greedy, verify_tree_sampled
 
@@ -239,10 +239,16 @@ class SpeculativeDecoder:
             # continuation length); no shape that pays means plain decoding.
             if isinstance(spec.k, int):
                 shape = replace(DEFAULT_LOOKAHEAD, ngram=spec.k + 1) if spec.k > 0 else None
-            else:
-                shape = choose_lookahead_shape(self.costs.verify_seconds if self.costs else None)
+                self.drafter.configure(shape)
+                return FixedDraftLength(shape.ngram - 1 if shape else 0)
+            verify = self.costs.verify_seconds if self.costs else {}
+            shape = choose_lookahead_shape(verify or None)
             self.drafter.configure(shape)
-            return FixedDraftLength(shape.ngram - 1 if shape else 0)
+            if shape is None:
+                return FixedDraftLength(0)
+            # k auto also turns lookahead steps off on text where they do not pay.
+            larger = [seconds for fed, seconds in verify.items() if fed >= shape.fed]
+            return LookaheadGate(shape.ngram - 1, verify.get(1), min(larger) if larger else None)
         if isinstance(spec.k, int):
             return FixedDraftLength(spec.k)
         started_from = (spec.max_k, self.costs, self.prior)
@@ -275,13 +281,13 @@ class SpeculativeDecoder:
         next_position: int,
         step: int,
     ) -> StepOutcome:
-        draft_started = time.perf_counter()
+        draft_started = self._clock()
         caught_up = self._catch_up(context, k)
         draft = Draft([])
         if k > 0 and self.drafter is not None:
             draft_noise = None if noise is None else noise.from_position(next_position)
             draft = self.drafter.propose(context, k, sampling, generator, noise=draft_noise)
-        verify_started = time.perf_counter()
+        verify_started = self._clock()
         verdict = self._verify(context[-1], draft, sampling, generator, noise, next_position)
         self._settle(len(context) + verdict.accepted)
         if self._feature_drafter() is not None:
@@ -295,19 +301,29 @@ class SpeculativeDecoder:
                 drafted=len(draft),
                 accepted=verdict.accepted,
                 draft_seconds=verify_started - draft_started,
-                verify_seconds=time.perf_counter() - verify_started,
+                verify_seconds=self._clock() - verify_started,
                 catch_up_seconds=caught_up,
             ),
         )
+
+    def _clock(self) -> float:
+        """Seconds on a clock that stands still during one-time work inside the models'
+        passes (a CUDA graph captured on first use): the steps' timings teach k auto what a
+        pass costs, and a capture is not part of that."""
+        setup = getattr(self.target, "setup_seconds", 0.0)
+        draft_model = getattr(self.drafter, "model", None)
+        if draft_model is not None:
+            setup += getattr(draft_model, "setup_seconds", 0.0)
+        return time.perf_counter() - setup
 
     def _catch_up(self, context: list[int], k: int) -> float:
         """Before a step that drafts: let a draft model read what it has not (see
         ModelDrafter.catch_up). Returns the seconds it took."""
         if k <= 0 or not hasattr(self.drafter, "catch_up"):
             return 0.0
-        started = time.perf_counter()
+        started = self._clock()
         self.drafter.catch_up(context)
-        return time.perf_counter() - started
+        return self._clock() - started
 
     def _tree_step(
         self,
@@ -322,7 +338,7 @@ class SpeculativeDecoder:
     ) -> StepOutcome:
         """Draft a tree k deep, verify it in one pass (speccli.engine.tree), keep the
         accepted path in the target's cache."""
-        draft_started = time.perf_counter()
+        draft_started = self._clock()
         caught_up = self._catch_up(context, k)
         draft_noise = None if noise is None else noise.from_position(next_position)
         shape = self._tree_shape(k, policy)
@@ -330,7 +346,7 @@ class SpeculativeDecoder:
             # The pass holds the pending token and every node until the path is kept.
             shape = replace(shape, max_nodes=min(shape.max_nodes, self.target.max_length - len(context)))
         tree = self.drafter.propose_tree(context, shape, sampling, generator, noise=draft_noise)
-        verify_started = time.perf_counter()
+        verify_started = self._clock()
         cached = len(self.target.cached_tokens)
         depths = tree.fed_depths()
         fed = [context[-1], *tree.tokens]
@@ -378,7 +394,7 @@ class SpeculativeDecoder:
                 drafted=tree.depth,
                 accepted=len(verdict.path),
                 draft_seconds=verify_started - draft_started,
-                verify_seconds=time.perf_counter() - verify_started,
+                verify_seconds=self._clock() - verify_started,
                 fed=len(fed),
                 tree=True,
                 catch_up_seconds=caught_up,

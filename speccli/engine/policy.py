@@ -47,6 +47,7 @@ class StepCosts:
     exponential moving averages of what the decoder measured on this machine."""
 
     smoothing: float = 0.3
+    max_jump: float = 3.0
     verify: dict[int, float] = field(default_factory=dict)
     draft_per_token: float | None = None
     _counts: dict[object, int] = field(default_factory=dict, repr=False)
@@ -70,11 +71,17 @@ class StepCosts:
 
     def _blend(self, key: object, old: float | None, new: float) -> float:
         # A plain mean of the first few measurements, then an exponential moving average:
-        # one odd first measurement must not linger.
+        # one odd first measurement must not linger. A measurement is taken as at most
+        # `max_jump` times the estimate either way: a one-off (a kernel loaded on first use,
+        # a pause of a shared machine) must not make drafting look worthless for the rest
+        # of the session, while a lasting change still moves the estimate within a few steps.
         count = self._counts.get(key, 0) + 1
         self._counts[key] = count
         weight = max(self.smoothing, 1.0 / count)
-        return new if old is None else (1 - weight) * old + weight * new
+        if old is None:
+            return new
+        new = min(max(new, old / self.max_jump), old * self.max_jump)
+        return (1 - weight) * old + weight * new
 
     def verify_seconds(self, fed: int) -> float | None:
         """Measured, else an optimistic guess, so that an untried size that could pay is

@@ -103,6 +103,9 @@ class StaticCausalLM(TransformersLM):
         self.prefill_chunk = max(1, prefill_chunk)
         self.graphs_enabled = bool(graphs) and self._device.type == "cuda"
         self.graphs_error: str | None = None
+        # Seconds spent inside passes on one-time work (capturing graphs): the decoder keeps
+        # them out of the step timings that k auto learns a pass's cost from.
+        self.setup_seconds = 0.0
         self._cache = self._new_cache(self._capacity)
         # Per (fed size, tree pass): the graph, its logits buffer, and its hidden-states
         # buffer (None when it was captured before hidden states were asked for).
@@ -334,6 +337,7 @@ class StaticCausalLM(TransformersLM):
         key = (n, mask is not None)
         captured = self._graphs.get(key)
         if captured is None:
+            began = time.perf_counter()
             try:
                 with torch.cuda.device(self._device):  # capture on the model's device, not the current one
                     captured = self._capture(n, start, tree=mask is not None)
@@ -346,6 +350,8 @@ class StaticCausalLM(TransformersLM):
                 if mask is not None:
                     return self._eager_tree(token_ids, positions, mask)
                 return self._eager_chunks(token_ids, start, all_logits=True)
+            finally:
+                self.setup_seconds += time.perf_counter() - began
         graph, output, hidden = captured
         with torch.cuda.device(self._device):
             graph.replay()
@@ -382,4 +388,5 @@ class StaticCausalLM(TransformersLM):
         # Capturing records the pass without running it; replay runs it from `start`.
         self._set_length(start)
         self._graphs[(n, tree)] = (graph, output, hidden)
+        torch.cuda.synchronize(self._device)  # the warm-up passes count as setup, not as the next pass
         return graph, output, hidden
