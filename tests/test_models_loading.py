@@ -331,8 +331,13 @@ def test_load_gguf_file(tiny_gguf_file, cache, monkeypatch):
     assert eos[0] == EOS and GGUF_TOKENS.index("<|endoftext|>") in eos
     assert set(eos) <= {EOS, GGUF_TOKENS.index("<|endoftext|>"), GGUF_TOKENS.index("<s>")}
     ids = torch.tensor([[5, 6, 7, 8, 3]])
-    with torch.no_grad():  # F32 GGUF: the weights survive the round trip exactly
-        assert torch.equal(loaded.model(ids).logits, source(ids).logits)
+    # F32 GGUF: the weights survive the round trip exactly. The logits only closely: the loaded
+    # float32 model's linears may run through oneDNN, whose sums round differently on some CPUs.
+    loaded_weights, source_weights = loaded.model.state_dict(), source.state_dict()
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"):
+        assert torch.equal(loaded_weights[name], source_weights[name]), name
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids).logits, source(ids).logits, rtol=1e-5, atol=1e-5)
     assert any("converting the tokenizer" in m for m in messages)
     assert any("dequantizing tiny.F32.gguf to float32" in m for m in messages)
 
