@@ -57,6 +57,16 @@ def test_draft_vocab_keeps_the_most_frequent_ids_and_maps_back():
         DraftVocab(torch.tensor([4]), 4)
 
 
+def test_draft_vocab_is_filled_from_more_text_past_the_labels_distinct_ids():
+    labels = torch.tensor([5, 5, 2])
+    fill = torch.tensor([9, 9, 9, 5, 5, 5, 5, 3, 3, 1])
+    # The labels' ids first (by their own counts), then the text's others by count: 9, 3, 1.
+    assert DraftVocab.most_frequent(labels, 4, 12, fill=fill).ids.tolist() == [5, 2, 9, 3]
+    assert DraftVocab.most_frequent(labels, 9, 12, fill=fill).ids.tolist() == [5, 2, 9, 3, 1]
+    assert DraftVocab.most_frequent(labels, 2, 12, fill=fill).ids.tolist() == [5, 2]
+    assert DraftVocab.most_frequent(labels, 4, 12).ids.tolist() == [5, 2]
+
+
 # --------------------------------------------------------------------------- the target's features
 
 

@@ -140,42 +140,35 @@ def test_lookahead_falls_back_to_plain_decoding_where_no_shape_pays(pairs, token
 
 class TestGate:
     @staticmethod
-    def run(gate: LookaheadGate, steps: int, accepted: int, plain: float = 0.10, lookahead: float = 0.13) -> list[int]:
-        """Feed the gate steps: lookahead steps accept `accepted` tokens and take `lookahead` s."""
-        chosen = []
-        for i in range(steps):
+    def run(gate: LookaheadGate, accepted: list[int]) -> str:
+        """Feed the gate steps, lookahead ones accepting the next of `accepted`: L or . per step."""
+        chosen, found = [], iter(accepted)
+        for i in range(len(accepted)):
             k = gate.next_k()
-            chosen.append(k)
+            chosen.append("L" if k else ".")
             if k:
-                gate.observe(StepEvent(i, k, accepted, 0.0, lookahead, fed=17, tree=True))
+                gate.observe(StepEvent(i, k, next(found), 0.0, 0.13, fed=17, tree=True))
             else:
-                gate.observe(StepEvent(i, 0, 0, 0.0, plain, fed=1))
-        return chosen
+                next(found)
+                gate.observe(StepEvent(i, 0, 0, 0.0, 0.10, fed=1))
+        return "".join(chosen)
 
     def test_where_nothing_is_accepted_plain_steps_follow_with_probes_that_back_off(self):
-        gate = LookaheadGate(2, plain_seconds=0.10, lookahead_seconds=0.13, min_steps=4, probe_every=8, max_backoff=2)
-        chosen = self.run(gate, 4 + 8 + 4 + 16 + 4 + 32 + 4 + 32 + 4, accepted=0)
-        runs = "".join("L" if k else "." for k in chosen)
-        assert runs == "LLLL" + "." * 8 + "LLLL" + "." * 16 + "LLLL" + "." * 32 + "LLLL" + "." * 32 + "LLLL"
-        assert not gate.pays()
+        gate = LookaheadGate(2, patience=4, probe_every=8, max_backoff=2)
+        steps = 4 + 8 + 4 + 16 + 4 + 32 + 4 + 32 + 4
+        assert self.run(gate, [0] * steps) == (
+            "LLLL" + "." * 8 + "LLLL" + "." * 16 + "LLLL" + "." * 32 + "LLLL" + "." * 32 + "LLLL"
+        )
 
-    def test_where_guesses_come_true_lookahead_stays_on(self):
-        gate = LookaheadGate(2, plain_seconds=0.10, lookahead_seconds=0.13)
-        assert self.run(gate, 40, accepted=1) == [2] * 40  # 2 tokens in 0.13 s beat 1 in 0.10 s
+    def test_where_guesses_come_true_now_and_then_lookahead_stays_on(self):
+        gate = LookaheadGate(2, patience=4)
+        assert self.run(gate, [0, 0, 0, 1] * 10) == "L" * 40
 
-    def test_a_probe_that_finds_repetition_turns_lookahead_back_on(self):
-        gate = LookaheadGate(2, plain_seconds=0.10, lookahead_seconds=0.13, min_steps=4, probe_every=8)
-        self.run(gate, 12, accepted=0)  # off after 4 steps, 8 plain steps
-        assert self.run(gate, 30, accepted=2) == [2] * 30
-        assert gate.pays()
-
-    def test_without_measured_costs_it_learns_them_from_the_steps(self):
-        gate = LookaheadGate(2, plain_seconds=None, lookahead_seconds=None, min_steps=2, probe_every=4)
-        chosen = self.run(gate, 10, accepted=0, plain=0.1, lookahead=0.2)
-        # A run, one plain step to measure what it is judged against, the run goes on and is
-        # judged: off; 4 plain steps, a probe of 2 steps, off again.
-        assert chosen == [2, 2, 0, 2, 0, 0, 0, 0, 2, 2]
-        assert gate.plain_seconds == pytest.approx(0.1) and not gate.on
+    def test_a_probe_that_finds_something_keeps_lookahead_on_and_resets_the_backoff(self):
+        gate = LookaheadGate(2, patience=4, probe_every=8)
+        assert self.run(gate, [0] * 12) == "LLLL" + "." * 8
+        assert self.run(gate, [1] + [0] * 3 + [2] * 26) == "L" * 30
+        assert self.run(gate, [0] * 12) == "LLLL" + "." * 8  # the next pause is 8 again, not 16
 
 
 def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
@@ -185,6 +178,5 @@ def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
     decoder.costs = CostProfile({fed: 0.1 for fed in range(1, 18)}, None)
     gate = decoder._policy_for(SpecConfig(k="auto", max_new_tokens=8))
     assert isinstance(gate, LookaheadGate) and gate.k == DEFAULT_SHAPE.ngram - 1
-    assert (gate.plain_seconds, gate.lookahead_seconds) == (0.1, 0.1)
     fixed = decoder._policy_for(SpecConfig(k=3, max_new_tokens=8))
     assert isinstance(fixed, FixedDraftLength) and fixed.k == 3

@@ -241,14 +241,10 @@ class SpeculativeDecoder:
                 shape = replace(DEFAULT_LOOKAHEAD, ngram=spec.k + 1) if spec.k > 0 else None
                 self.drafter.configure(shape)
                 return FixedDraftLength(shape.ngram - 1 if shape else 0)
-            verify = self.costs.verify_seconds if self.costs else {}
-            shape = choose_lookahead_shape(verify or None)
+            shape = choose_lookahead_shape(self.costs.verify_seconds if self.costs else None)
             self.drafter.configure(shape)
-            if shape is None:
-                return FixedDraftLength(0)
-            # k auto also turns lookahead steps off on text where they do not pay.
-            larger = [seconds for fed, seconds in verify.items() if fed >= shape.fed]
-            return LookaheadGate(shape.ngram - 1, verify.get(1), min(larger) if larger else None)
+            # k auto also turns lookahead steps off while the pool finds nothing.
+            return LookaheadGate(shape.ngram - 1) if shape else FixedDraftLength(0)
         if isinstance(spec.k, int):
             return FixedDraftLength(spec.k)
         started_from = (spec.max_k, self.costs, self.prior)

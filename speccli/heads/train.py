@@ -61,7 +61,10 @@ class Trainer:
         held_out: Features,
         checkpoint: Path,
         progress: Callable[[TrainProgress], None] | None = None,
+        vocab_fill: torch.Tensor | None = None,
     ) -> None:
+        """`vocab_fill`: token ids of more text, to fill the draft vocabulary where the
+        training labels hold fewer distinct ids than `config.vocab` (DraftVocab.most_frequent)."""
         if config.kind not in ("medusa", "eagle"):
             raise ValueError(f"unknown kind of heads: {config.kind}")
         if len(train) == 0:
@@ -74,7 +77,7 @@ class Trainer:
         self.progress = progress
         torch.manual_seed(config.seed)
         vocab_size = int(target.get_output_embeddings().weight.shape[0])
-        self.vocab = DraftVocab.most_frequent(train.labels, config.vocab, vocab_size)
+        self.vocab = DraftVocab.most_frequent(train.labels, config.vocab, vocab_size, fill=vocab_fill)
         with torch.no_grad():
             self.rows = target.get_output_embeddings().weight.detach()[self.vocab.ids].float()
         self.train_labels = self.vocab.index_of(train.labels)

@@ -28,13 +28,22 @@ class DraftVocab:
             raise ValueError("draft vocabulary ids must be distinct")
 
     @classmethod
-    def most_frequent(cls, labels: torch.Tensor, size: int, target_size: int) -> "DraftVocab":
-        """The `size` ids seen most often in `labels` (ties: the lower id first)."""
-        counts = torch.bincount(labels.flatten().long(), minlength=target_size)
-        size = max(1, min(size, int((counts > 0).sum()) or 1))
-        # A stable sort on -counts keeps ascending ids among equal counts.
-        order = torch.sort(-counts, stable=True).indices
-        return cls(order[:size].clone(), target_size)
+    def most_frequent(
+        cls, labels: torch.Tensor, size: int, target_size: int, fill: torch.Tensor | None = None
+    ) -> "DraftVocab":
+        """The `size` ids seen most often in `labels` (ties: the lower id first). Where the
+        labels hold fewer distinct ids, the rest are the ids seen most often in `fill`
+        (token ids of more text, which costs no pass of the target): a head trained on a
+        few tens of thousands of tokens has seen only part of what the target says."""
+        ranked = _by_count(labels, target_size)
+        if fill is not None and len(ranked) < size:
+            seen = torch.zeros(target_size, dtype=torch.bool)
+            seen[ranked] = True
+            extra = _by_count(fill, target_size)
+            ranked = torch.cat([ranked, extra[~seen[extra]]])
+        if len(ranked) == 0:
+            ranked = torch.zeros(1, dtype=torch.long)
+        return cls(ranked[: max(1, size)].clone(), target_size)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -59,3 +68,11 @@ class DraftVocab:
         out = logits.new_full((*logits.shape[:-1], self.target_size), float("-inf"), dtype=torch.float32)
         out[..., self.ids.to(logits.device)] = logits.float()
         return out
+
+
+def _by_count(ids: torch.Tensor, target_size: int) -> torch.Tensor:
+    """The distinct ids in `ids`, the most frequent first (ties: the lower id first)."""
+    counts = torch.bincount(ids.flatten().long(), minlength=target_size)
+    # A stable sort on -counts keeps ascending ids among equal counts.
+    order = torch.sort(-counts, stable=True).indices
+    return order[: int((counts > 0).sum())]
