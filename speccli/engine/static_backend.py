@@ -347,11 +347,12 @@ class StaticCausalLM(TransformersLM):
                 self._drop_graphs()
                 self._set_length(start)
                 self._hidden_parts = []
+            finally:
+                self.setup_seconds += time.perf_counter() - began
+            if captured is None:  # the pass itself, eagerly: a cost of the step, not setup
                 if mask is not None:
                     return self._eager_tree(token_ids, positions, mask)
                 return self._eager_chunks(token_ids, start, all_logits=True)
-            finally:
-                self.setup_seconds += time.perf_counter() - began
         graph, output, hidden = captured
         with torch.cuda.device(self._device):
             graph.replay()
