@@ -45,7 +45,7 @@ def encode(tokenizer, text: str) -> list[int]:
 
 def target_greedy(model, prompt_ids: list[int]) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW, do_sample=False, num_beams=1
+        torch.tensor([prompt_ids], device=model.device), max_new_tokens=MAX_NEW, do_sample=False, num_beams=1
     )
     new = out[0, len(prompt_ids) :].tolist()
     return new[: new.index(EOS)] if EOS in new else new

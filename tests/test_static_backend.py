@@ -265,10 +265,7 @@ def test_graphed_decoding_equals_target_greedy_on_cuda(cuda_pair, tokenizer):
         for k in (1, 4, "auto"):
             ids = encode(tokenizer, prompt)
             events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=MAX_NEW)))
-            out = cuda_pair.target.generate(torch.tensor([ids], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False)
-            expected = out[0, len(ids):].tolist()
-            expected = expected[: expected.index(EOS)] if EOS in expected else expected
-            assert emitted(events) == expected, (prompt, k)
+            assert emitted(events) == target_greedy(cuda_pair.target, ids), (prompt, k)
     assert target.graphs_error is None and draft.graphs_error is None
     assert target.graphed_sizes and 1 in draft.graphed_sizes
     assert target.capacity > 32
@@ -306,24 +303,19 @@ def test_graphed_tree_passes_give_the_eager_logits(tokenizer):
 def test_graphed_trees_and_lookahead_equal_target_greedy_on_cuda(cuda_pair, tokenizer):
     from speccli.engine.lookahead import LookaheadDrafter
 
-    def expected(ids):
-        out = cuda_pair.target.generate(torch.tensor([ids], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False)
-        tokens = out[0, len(ids):].tolist()
-        return tokens[: tokens.index(EOS)] if EOS in tokens else tokens
-
     target = wrap_static(cuda_pair.target, max_fed=32)
     draft = wrap_static(cuda_pair.draft, max_fed=32)
     trees = SpeculativeDecoder(target, tokenizer, [EOS], ModelDrafter(draft, len(tokenizer)))
     for prompt in PROMPTS[:4]:
         ids = encode(tokenizer, prompt)
         events = list(trees.generate(ids, SamplingConfig(), SpecConfig(k=4, max_new_tokens=MAX_NEW, tree=True)))
-        assert emitted(events) == expected(ids), prompt
+        assert emitted(events) == target_greedy(cuda_pair.target, ids), prompt
     lookahead_target = wrap_static(cuda_pair.target, max_fed=32)
     lookahead = SpeculativeDecoder(lookahead_target, tokenizer, [EOS], LookaheadDrafter())
     for prompt in PROMPTS[:4]:
         ids = encode(tokenizer, prompt)
         events = list(lookahead.generate(ids, SamplingConfig(), SpecConfig(k=3, max_new_tokens=MAX_NEW)))
-        assert emitted(events) == expected(ids), prompt
+        assert emitted(events) == target_greedy(cuda_pair.target, ids), prompt
     for lm in (target, draft, lookahead_target):
         assert lm.graphs_error is None
     assert target.graphed_tree_sizes and lookahead_target.graphed_tree_sizes
