@@ -12,7 +12,14 @@ from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.calibration import CostProfile
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.events import StepEvent, TokenEvent
-from speccli.engine.lookahead import DEFAULT_SHAPE, LookaheadDrafter, LookaheadGate, LookaheadShape, choose_shape
+from speccli.engine.lookahead import (
+    DEFAULT_SHAPE,
+    LookaheadDrafter,
+    LookaheadGate,
+    LookaheadShape,
+    break_even_gain,
+    choose_shape,
+)
 from speccli.engine.tree import ROOT, TokenTree, TreeShape
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, encode
 
@@ -89,21 +96,76 @@ class TestPool:
         assert (tree.tokens, tree.parents) == ([5, 6, 2, 4], [ROOT, 0, ROOT, 2])
 
 
+    def test_the_tree_also_offers_what_followed_the_texts_last_tokens_before(self):
+        drafter = LookaheadDrafter(LookaheadShape(window=2, ngram=3, guesses=1))
+        context = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+        drafter.start(context)
+        tree = drafter.propose_tree(context, TreeShape(max_depth=2, max_nodes=16), SamplingConfig(), None)
+        assert tree.tokens[:2] == [3, 4] and tree.parents[:2] == [ROOT, 0]
+
+    def test_the_lookup_guess_grows_while_it_comes_true_whole_and_shrinks_when_it_fails(self):
+        drafter = LookaheadDrafter(LookaheadShape(window=2, ngram=3, guesses=1))  # from 2 tokens
+        text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+        shape = TreeShape(max_depth=2, max_nodes=6)
+
+        def guess(context: list[int]) -> list[int]:
+            tree = drafter.propose_tree(context, shape, SamplingConfig(), None)
+            path, node = [], ROOT
+            while node in tree.parents:  # the lookup guess is the first chain of the trie
+                node = tree.parents.index(node)
+                path.append(tree.tokens[node])
+            return path
+
+        context = text + [1, 2]
+        drafter.start(context)
+        assert guess(context) == [3, 4]
+        context += [3, 4, 5]  # both right, and the target's next token
+        assert guess(context) == [6, 7, 8, 9]
+        context += [6, 7, 8, 9, 10]
+        assert guess(context) == [11, 12, 1, 2, 3, 4]  # at most the tree's 6 nodes
+        context += [11, 99]  # one of six right
+        assert drafter.lookup_length == 6 and guess(context) == []  # 99 never occurred before
+        assert drafter.lookup_length == 3
+
+
 class TestShapeChoice:
     def test_flat_costs_take_the_largest_measured_shape(self):
         costs = {fed: 0.170 for fed in range(1, 18)}
         assert choose_shape(costs) == LookaheadShape(5, 3, 3)
 
+    def test_a_gpu_like_curve_takes_a_shape_larger_than_a_cpu_calibration_measures(self):
+        # An H200 with CUDA graphs: 9.2 ms for 1 token, 11.2 for 2, 11.9 for 16, then slowly more.
+        costs = {1: 0.0092, 2: 0.0112, **{fed: 0.0119 + 0.00002 * (fed - 16) for fed in range(3, 35)}}
+        assert choose_shape(costs) == LookaheadShape(7, 4, 4)  # 34 tokens
+
     def test_a_jump_after_one_token_means_plain_decoding(self):
         costs = {1: 0.404, **{fed: 1.0 for fed in range(2, 18)}}
         assert choose_shape(costs) is None
 
-    def test_a_slowly_growing_curve_takes_the_largest_shape_it_affords(self):
+    def test_a_curve_that_grows_with_every_token_takes_the_smallest_shape(self):
+        # This CPU in bfloat16: 184 ms for 1 token, 222 for 7, 255 for 11, 289 for 16.
         costs = {fed: 0.2 * (1 + 0.025 * (fed - 1)) for fed in range(1, 18)}  # 17 tokens: 1.4x
-        assert choose_shape(costs) == LookaheadShape(4, 3, 2)  # 13 tokens: 1.3x
+        assert choose_shape(costs) == LookaheadShape(2, 3, 1)  # 7 tokens: 1.15x
+
+    def test_float32_here_means_plain_decoding(self):
+        # The float32 calibration of this CPU: 270 ms, 355, 328 (4), 405 (8), 555 (16), 572 (17).
+        costs = {1: 0.270, 2: 0.355, 4: 0.328, 8: 0.405, 16: 0.555, 17: 0.572}
+        assert choose_shape(costs) is None
+
+    def test_a_noisy_small_pass_is_not_trusted_over_a_larger_one(self):
+        # 7 tokens measured slow once, 9 cheaper: a 7-token pass costs at most what 9 do.
+        costs = {1: 0.2, 7: 0.5, 9: 0.22}
+        assert choose_shape(costs) == LookaheadShape(2, 3, 1)
 
     def test_without_measurements_the_default(self):
         assert choose_shape(None) == DEFAULT_SHAPE
+
+    def test_break_even_is_what_the_larger_pass_costs_more(self):
+        costs = {1: 0.2, 7: 0.25, 17: 0.3}
+        assert break_even_gain(costs, LookaheadShape(2, 3, 1)) == pytest.approx(0.25)
+        assert break_even_gain(costs, LookaheadShape(5, 3, 3)) == pytest.approx(0.5)
+        assert break_even_gain({1: 0.3, 7: 0.2}, LookaheadShape(2, 3, 1)) == 0.0
+        assert break_even_gain(None, DEFAULT_SHAPE) == 0.0
 
 
 @pytest.mark.parametrize("k", [2, 3, "auto"])
@@ -154,29 +216,48 @@ class TestGate:
         return "".join(chosen)
 
     def test_where_nothing_is_accepted_plain_steps_follow_with_probes_that_back_off(self):
-        gate = LookaheadGate(2, patience=4, probe_every=8, max_backoff=2)
+        gate = LookaheadGate(2, window=4, probe_every=8, max_backoff=2)
         steps = 4 + 8 + 4 + 16 + 4 + 32 + 4 + 32 + 4
         assert self.run(gate, [0] * steps) == (
             "LLLL" + "." * 8 + "LLLL" + "." * 16 + "LLLL" + "." * 32 + "LLLL" + "." * 32 + "LLLL"
         )
 
     def test_where_guesses_come_true_now_and_then_lookahead_stays_on(self):
-        gate = LookaheadGate(2, patience=4)
+        gate = LookaheadGate(2, window=4)
         assert self.run(gate, [0, 0, 0, 1] * 10) == "L" * 40
 
-    def test_a_probe_that_finds_something_keeps_lookahead_on_and_resets_the_backoff(self):
-        gate = LookaheadGate(2, patience=4, probe_every=8)
+    def test_gains_below_what_the_larger_pass_costs_turn_lookahead_off(self):
+        # One token in four steps pays a pass 20% dearer, not one 30% dearer.
+        assert self.run(LookaheadGate(2, break_even=0.2, window=4), [0, 0, 0, 1] * 3) == "L" * 12
+        assert self.run(LookaheadGate(2, break_even=0.3, window=4, probe_every=8), [0, 0, 0, 1] * 3) == "LLLL" + "." * 8
+
+    def test_the_window_slides_over_the_latest_steps(self):
+        gate = LookaheadGate(2, break_even=0.5, window=4, probe_every=8)
+        # A token in each of the first four steps; the window's mean then falls to 0.75, 0.5.
+        assert self.run(gate, [1, 1, 1, 1, 0, 0] + [0] * 8) == "LLLLLL" + "." * 8
+
+    def test_a_probe_that_pays_keeps_lookahead_on_and_resets_the_backoff(self):
+        gate = LookaheadGate(2, window=4, probe_every=8)
         assert self.run(gate, [0] * 12) == "LLLL" + "." * 8
         assert self.run(gate, [1] + [0] * 3 + [2] * 26) == "L" * 30
         assert self.run(gate, [0] * 12) == "LLLL" + "." * 8  # the next pause is 8 again, not 16
+
+    def test_a_gate_needs_a_window_and_a_draft_length(self):
+        with pytest.raises(ValueError):
+            LookaheadGate(0)
+        with pytest.raises(ValueError):
+            LookaheadGate(2, window=0)
+        with pytest.raises(ValueError):
+            LookaheadGate(2, break_even=-0.1)
 
 
 def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
     from speccli.engine.policy import FixedDraftLength
 
     decoder = SpeculativeDecoder(wrap(pairs[0].target), tokenizer, [EOS], LookaheadDrafter())
-    decoder.costs = CostProfile({fed: 0.1 for fed in range(1, 18)}, None)
+    decoder.costs = CostProfile({1: 0.1, **{fed: 0.12 for fed in range(2, 18)}}, None)
     gate = decoder._policy_for(SpecConfig(k="auto", max_new_tokens=8))
     assert isinstance(gate, LookaheadGate) and gate.k == DEFAULT_SHAPE.ngram - 1
+    assert gate.break_even == pytest.approx(0.2)  # a 17-token pass costs 1.2x a one-token pass
     fixed = decoder._policy_for(SpecConfig(k=3, max_new_tokens=8))
     assert isinstance(fixed, FixedDraftLength) and fixed.k == 3

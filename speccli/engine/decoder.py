@@ -34,7 +34,7 @@ from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
 from speccli.engine.text import Detokenizer, OutputText
 from speccli.engine.context import check_fits
 from speccli.engine.lookahead import DEFAULT_SHAPE as DEFAULT_LOOKAHEAD
-from speccli.engine.lookahead import LookaheadDrafter, LookaheadGate
+from speccli.engine.lookahead import LookaheadDrafter, LookaheadGate, break_even_gain
 from speccli.engine.lookahead import choose_shape as choose_lookahead_shape
 from speccli.engine.tree import TreeShape, kept_offsets, verify_tree_greedy, verify_tree_sampled
 
@@ -241,10 +241,13 @@ class SpeculativeDecoder:
                 shape = replace(DEFAULT_LOOKAHEAD, ngram=spec.k + 1) if spec.k > 0 else None
                 self.drafter.configure(shape)
                 return FixedDraftLength(shape.ngram - 1 if shape else 0)
-            shape = choose_lookahead_shape(self.costs.verify_seconds if self.costs else None)
+            measured = self.costs.verify_seconds if self.costs else None
+            shape = choose_lookahead_shape(measured)
             self.drafter.configure(shape)
-            # k auto also turns lookahead steps off while the pool finds nothing.
-            return LookaheadGate(shape.ngram - 1) if shape else FixedDraftLength(0)
+            if shape is None:
+                return FixedDraftLength(0)
+            # k auto also turns lookahead steps off while they accept too little to pay.
+            return LookaheadGate(shape.ngram - 1, break_even_gain(measured, shape))
         if isinstance(spec.k, int):
             return FixedDraftLength(spec.k)
         started_from = (spec.max_k, self.costs, self.prior)

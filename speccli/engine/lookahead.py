@@ -9,26 +9,31 @@ step's newest level (the oldest is dropped once N - 1 levels are held), and ever
 read down its levels plus the new guess, is an n-gram the target itself suggested:
 (level 0, ..., level N-2, guess). Those n-grams, and the text's own (prompt and output),
 fill a pool keyed by first token; the pool's n-grams that start with the pending token are verified, merged
-into a tree (speccli.engine.tree), in the same pass. The lookahead branch and the tree
+into a tree (speccli.engine.tree), in the same pass, with what followed the text's last
+tokens where they occurred before (prompt lookup's guess: n-grams are only N tokens long,
+while code and rewrites copy longer runs). The lookahead branch and the tree
 never see each other, and only the accepted path stays in the cache, so the output is
 exactly the target's.
 
-W, N and G (n-grams verified) are chosen from the measured pass costs: the largest shape
-whose pass costs little more than a one-token pass; where none does, plain decoding. With
-k auto, `LookaheadGate` then runs plain steps while the pool finds nothing on the text at
-hand (and tries lookahead again now and then).
+W, N and G (n-grams verified) are chosen from the measured pass costs: the shape with the
+best expected tokens per second; where none beats plain decoding, plain decoding. With k
+auto, `LookaheadGate` then runs plain steps while lookahead's steps accept too little on
+the text at hand to pay for their larger passes (and tries lookahead again now and then).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from speccli.config import SamplingConfig
+from speccli.engine.backends import common_prefix_length
 from speccli.engine.coupling import Noise
+from speccli.engine.drafters import PromptLookupDrafter
 from speccli.engine.events import StepEvent
 from speccli.engine.tree import TokenTree, TreeShape
 from speccli.engine.tree_drafters import trie
@@ -58,26 +63,56 @@ SHAPES = (
     LookaheadShape(2, 3, 1),  # 7
 )
 DEFAULT_SHAPE = LookaheadShape(5, 3, 3)
-# A lookahead pass may cost this much more than a one-token pass: the tokens a step gains
-# (about 1.3 to 2 per pass in the paper) must pay for it.
-AFFORDABLE = 1.35
+# What a lookahead step is expected to gain over a plain one, in extra tokens, by the tokens
+# in its pass: a prior, since what comes true depends on the text. Measured on a 2-core CPU
+# in bfloat16 over the 12 default prompts: 0.37 extra tokens per step with 7 tokens a pass,
+# 0.42 with 13; the paper's GPU shape (121 tokens) is reported at 1.5-2x, about 1 extra.
+# Between them, a line in log2(tokens): larger windows find more, but slowly.
+GAIN_AT_7_TOKENS = 0.37
+GAIN_PER_DOUBLING = 0.15
+# A shape must promise this much over plain decoding's tokens per second to be chosen.
+MIN_ADVANTAGE = 1.05
 POOL_PER_TOKEN = 8  # n-grams kept per first token, the latest
 
 
+def expected_gain(fed: int) -> float:
+    """Extra tokens a lookahead step over `fed` tokens is expected to accept (the prior above)."""
+    return max(0.0, GAIN_AT_7_TOKENS + GAIN_PER_DOUBLING * math.log2(fed / 7))
+
+
+def pass_cost(pass_seconds: dict[int, float], fed: int) -> float | None:
+    """Seconds of a pass over `fed` tokens: the cheapest measured pass over as many or more
+    (a pass over more tokens is no cheaper; one measurement's noise is not trusted over
+    a larger pass's); None when nothing that large was measured."""
+    measured = [seconds for size, seconds in pass_seconds.items() if size >= fed]
+    return min(measured) if measured else None
+
+
 def choose_shape(pass_seconds: dict[int, float] | None) -> LookaheadShape | None:
-    """The largest shape whose pass costs at most AFFORDABLE x a one-token pass, from
-    measured costs; None (plain decoding) when even the smallest costs more; the default
-    without measurements."""
+    """The shape with the best expected tokens per second, (1 + expected_gain) / its pass's
+    cost, from measured costs: small shapes where a pass grows with its tokens, large ones
+    where passes are nearly flat. None (plain decoding) when no shape promises
+    MIN_ADVANTAGE x plain decoding; the default without measurements."""
     if not pass_seconds or 1 not in pass_seconds:
         return DEFAULT_SHAPE
-    one = pass_seconds[1]
+    best, best_rate = None, MIN_ADVANTAGE / pass_seconds[1]
     for shape in SHAPES:
-        measured = [seconds for fed, seconds in pass_seconds.items() if fed >= shape.fed]
-        if not measured:
+        cost = pass_cost(pass_seconds, shape.fed)
+        if cost is None:
             continue  # larger than anything measured: unknown, not assumed cheap
-        if min(measured) <= AFFORDABLE * one:
-            return shape
-    return None
+        rate = (1 + expected_gain(shape.fed)) / cost
+        if rate > best_rate:
+            best, best_rate = shape, rate
+    return best
+
+
+def break_even_gain(pass_seconds: dict[int, float] | None, shape: LookaheadShape) -> float:
+    """Extra tokens per step a shape's steps must accept to pay for their larger pass (0
+    without measurements)."""
+    if not pass_seconds or 1 not in pass_seconds:
+        return 0.0
+    cost = pass_cost(pass_seconds, shape.fed)
+    return 0.0 if cost is None else max(0.0, cost / pass_seconds[1] - 1)
 
 
 @dataclass(frozen=True)
@@ -116,6 +151,9 @@ class LookaheadDrafter:
         self.pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
         self.levels: list[list[int]] = []
         self._indexed = 0  # context n-grams starting before this are in the pool
+        self.lookup = PromptLookupDrafter()
+        self.lookup_length = self._shortest_lookup()
+        self._last_lookup: tuple[int, list[int]] | None = None  # (context length, the guess) of the last step
 
     def configure(self, shape: LookaheadShape | None) -> None:
         if shape != self.shape:
@@ -123,6 +161,7 @@ class LookaheadDrafter:
             self.levels = []
             self.pool = {}  # its n-grams have the old shape's length
             self._indexed = 0
+            self.lookup_length = self._shortest_lookup()
 
     def start(self, context: Sequence[int]) -> None:
         """Seed the pool with the context's own n-grams; the window starts again from the
@@ -130,6 +169,28 @@ class LookaheadDrafter:
         self.levels = []
         self._indexed = 0
         self._index(context)
+        self.lookup.start(context)
+        self._last_lookup = None
+
+    def _shortest_lookup(self) -> int:
+        return self.shape.ngram - 1 if self.shape else 0
+
+    def _lookup_guess(self, context: Sequence[int], longest: int) -> list[int]:
+        """Prompt lookup's guess, `lookup_length` tokens long. The length doubles (up to
+        `longest`, the tree's nodes) after a guess that came true whole and halves after one
+        that came true less than half, so runs of copied text are taken in long strides and
+        other text costs the pass little."""
+        if self._last_lookup is not None:
+            start, guess = self._last_lookup
+            if start < len(context):
+                right = common_prefix_length(guess, context[start:])
+                if right == len(guess):
+                    self.lookup_length = min(max(self._shortest_lookup(), longest), 2 * self.lookup_length)
+                elif 2 * right < len(guess):
+                    self.lookup_length = max(self._shortest_lookup(), self.lookup_length // 2)
+        guess = self.lookup.propose(context, self.lookup_length, SamplingConfig(), None).tokens
+        self._last_lookup = (len(context), guess) if guess else None
+        return guess
 
     def _index(self, context: Sequence[int]) -> None:
         """Pool the context's n-grams not pooled yet (the prompt's, then the text's as it grows)."""
@@ -163,13 +224,14 @@ class LookaheadDrafter:
         generator: torch.Generator | None,
         noise: Noise | None = None,
     ) -> TokenTree:
-        """The pool's n-grams that start with the pending token, the latest first."""
+        """Prompt lookup's guess, then the pool's n-grams that start with the pending token,
+        the latest first."""
         if self.shape is None or shape.max_depth <= 0:
             return TokenTree([], [])
         self._index(context)
         entries = self.pool.get(context[-1], {})
-        latest = list(reversed(list(entries)))[: self.shape.guesses]
-        return trie([list(c[: shape.max_depth]) for c in latest], shape.max_nodes)
+        latest = [list(c[: shape.max_depth]) for c in reversed(list(entries))][: self.shape.guesses]
+        return trie([self._lookup_guess(context, shape.max_nodes), *latest], shape.max_nodes)
 
     def branch(self, context: Sequence[int]) -> Branch | None:
         """This pass's lookahead branch (None without a shape)."""
@@ -208,50 +270,58 @@ class LookaheadDrafter:
         """The pool holds guesses, right or wrong, and the window is relative to the
         pending token: only the record of what text was pooled goes back."""
         self._indexed = min(self._indexed, max(0, length - (self.shape.ngram if self.shape else 0) + 1))
+        self.lookup.rollback(length)
 
 
 class LookaheadGate:
-    """k auto for lookahead decoding: lookahead steps, but plain steps while the pool's
-    n-grams keep failing.
+    """k auto for lookahead decoding: lookahead steps, but plain steps while they do not pay.
 
-    A lookahead step's pass is larger than a plain step's (the window rides along). On text
-    that never repeats itself the pool's guesses never come true and every step pays that
-    extra for nothing (0.75x plain decoding on an H200 with random-weight models). After
-    `patience` lookahead steps in a row that accepted nothing, plain steps follow; after
-    `probe_every` of them (doubled after each probe that found nothing too, up to
-    `max_backoff` doublings) lookahead steps are tried again. The rule counts tokens, not
-    seconds: the choice of the window's shape already weighed the pass costs, and a
-    step's seconds are too noisy on a shared CPU to judge a few steps by (a rule that
-    compared moving averages of them turned lookahead off on a CPU where it paid, 1.16x
-    plain decoding instead of 1.38x).
+    A lookahead step's pass is larger than a plain step's (the window rides along), so its
+    guesses must accept `break_even` extra tokens per step on average to pay for it (from
+    the measured pass costs). On text that never repeats itself they accept nothing and
+    every step pays that extra for nothing (0.75x plain decoding on an H200 with
+    random-weight models). When the last `window` lookahead steps accepted `break_even`
+    extra tokens per step or fewer, plain steps follow; after `probe_every` of them
+    (doubled after each probe that did not pay either, up to `max_backoff` doublings)
+    lookahead steps are tried again, judged on a fresh window. The rule counts accepted
+    tokens, not seconds: a step's seconds are too noisy on a shared CPU to judge a few
+    steps by (a rule that compared moving averages of them turned lookahead off on a CPU
+    where it paid, 1.16x plain decoding instead of 1.38x). Over a window, not a run of
+    failures: on chat text the window's n-grams come true now and then, and stopping at
+    the first 8 fruitless steps in a row lost lookahead's gains there.
     """
 
-    def __init__(self, k: int, patience: int = 8, probe_every: int = 16, max_backoff: int = 3) -> None:
-        if k < 1 or patience < 1:
-            raise ValueError(f"k and patience must be >= 1, got {k}, {patience}")
+    def __init__(
+        self, k: int, break_even: float = 0.0, window: int = 16, probe_every: int = 16, max_backoff: int = 3
+    ) -> None:
+        if k < 1 or window < 1 or break_even < 0:
+            raise ValueError(f"need k >= 1, window >= 1 and break_even >= 0, got {k}, {window}, {break_even}")
         self.k = k
-        self.patience = patience
+        self.break_even = break_even
+        self.window = window
         self.probe_every = probe_every
         self.max_backoff = max_backoff
         self.on = True
-        self._fruitless = 0  # lookahead steps in a row that accepted nothing
+        self._recent: deque[int] = deque(maxlen=window)  # tokens accepted by the latest lookahead steps
         self._plain_steps = 0  # plain steps since lookahead went off
         self._failed_runs = 0
 
     def next_k(self) -> int:
         interval = self.probe_every * 2 ** min(self._failed_runs - 1, self.max_backoff)
         if not self.on and self._plain_steps >= interval:
-            self.on, self._fruitless = True, 0
+            self.on = True
         return self.k if self.on else 0
 
     def observe(self, step: StepEvent) -> None:
         if not step.tree or step.fed <= 1:  # a plain step
             self._plain_steps += 1
             return
-        if step.accepted > 0:
-            self._fruitless, self._failed_runs = 0, 0
+        self._recent.append(step.accepted)
+        if len(self._recent) < self.window:
             return
-        self._fruitless += 1
-        if self._fruitless >= self.patience and self.on:
+        if sum(self._recent) / self.window > self.break_even:
+            self._failed_runs = 0
+        elif self.on:
             self.on, self._plain_steps = False, 0
             self._failed_runs += 1
+            self._recent.clear()
