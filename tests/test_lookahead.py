@@ -128,6 +128,18 @@ class TestPool:
         assert drafter.lookup_length == 3
 
 
+    def test_a_cold_start_forgets_the_pool_and_the_window(self):
+        drafter = LookaheadDrafter(LookaheadShape(window=2, ngram=3, guesses=1))
+        drafter.start([1, 2, 3, 1, 2, 4])
+        drafter.advance([7, 8])
+        drafter.rollback(3)  # an earlier point of the same text: the pool stays
+        assert drafter.pool and drafter.levels
+        drafter.rollback(0)
+        assert drafter.pool == {} and drafter.levels == []
+        tree = drafter.propose_tree([5, 1], TreeShape(max_depth=2, max_nodes=8), SamplingConfig(), None)
+        assert tree.tokens == []  # nothing of the text before is offered
+
+
 class TestShapeChoice:
     def test_flat_costs_take_the_largest_measured_shape(self):
         costs = {fed: 0.170 for fed in range(1, 18)}

@@ -268,9 +268,13 @@ class LookaheadDrafter:
 
     def rollback(self, length: int) -> None:
         """The pool holds guesses, right or wrong, and the window is relative to the
-        pending token: only the record of what text was pooled goes back."""
+        pending token: only the record of what text was pooled goes back. Back to nothing
+        (a cold start) everything is forgotten, so no earlier generation's n-grams help."""
         self._indexed = min(self._indexed, max(0, length - (self.shape.ngram if self.shape else 0) + 1))
         self.lookup.rollback(length)
+        if length == 0:
+            self.pool, self.levels, self._last_lookup = {}, [], None
+            self.lookup_length = self._shortest_lookup()
 
 
 class LookaheadGate:
