@@ -158,10 +158,13 @@ class LookaheadDrafter:
     def configure(self, shape: LookaheadShape | None) -> None:
         if shape != self.shape:
             self.shape = shape
-            self.levels = []
-            self.pool = {}  # its n-grams have the old shape's length
-            self._indexed = 0
-            self.lookup_length = self._shortest_lookup()
+            self._forget()  # the pool's n-grams have the old shape's length
+
+    def _forget(self) -> None:
+        """Drop the pool, the window and what the lookup guess learned."""
+        self.pool, self.levels, self._indexed = {}, [], 0
+        self._last_lookup = None
+        self.lookup_length = self._shortest_lookup()
 
     def start(self, context: Sequence[int]) -> None:
         """Seed the pool with the context's own n-grams; the window starts again from the
@@ -273,8 +276,7 @@ class LookaheadDrafter:
         self._indexed = min(self._indexed, max(0, length - (self.shape.ngram if self.shape else 0) + 1))
         self.lookup.rollback(length)
         if length == 0:
-            self.pool, self.levels, self._last_lookup = {}, [], None
-            self.lookup_length = self._shortest_lookup()
+            self._forget()
 
 
 class LookaheadGate:
