@@ -175,6 +175,7 @@ class Bench:
             "acceptance": stats.acceptance_rate,
             "tokens_per_step": stats.tokens_per_step,
             "pass_size": stats.mean_pass_size,
+            "passes": {str(fed): count for fed, count in sorted(stats.passes.items())},
             "forward_seconds": forward,
             "overhead": (wall - forward) / wall if wall > 0 else None,
         }
@@ -310,6 +311,13 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     for key, value in ratios.items():
         print(f"{key:<40} {fmt(value, '.2f') + 'x':>10} {fmt(per_prompt_ratio[key], '.2f') + 'x':>21}"
               f" {fmt(worst_prompt_ratio[key], '.2f') + 'x':>14}")
+    modelled = modelled_ratios(rows, methods, pairs, bench.costs)
+    if modelled:
+        print("modelled: new tokens / the calibration's seconds for the passes each method made (no draft model;"
+              " decode only), free of the machine's noise while it ran")
+        for key, (of_medians, per_prompt, lowest) in modelled.items():
+            print(f"{key:<40} {fmt(of_medians, '.2f') + 'x':>10} {fmt(per_prompt, '.2f') + 'x':>21}"
+                  f" {fmt(lowest, '.2f') + 'x':>14}")
     n_div = sum(1 for r in rows for m in methods[1:] if not r["methods"][m]["identical"])
     print(f"divergences from hf-plain: {n_div}" + (" (ERRORS: float32 must match exactly)" if errors else ""))
 
@@ -324,9 +332,33 @@ def run_dtype(dtype: str, args, prompts) -> dict:
             "specgen_backends": backends, "rows": rows, "median_tokens_per_second": medians,
             "ratio_of_medians": ratios, "median_of_per_prompt_ratios": per_prompt_ratio,
             "lowest_per_prompt_ratios": worst_prompt_ratio,
+            "modelled_ratios": {key: dict(zip(("of_medians", "median_of_per_prompt", "lowest_prompt"), values))
+                                for key, values in modelled.items()},
             "divergences": [r["methods"][m]["divergence"] for r in rows for m in methods[1:]
                             if "divergence" in r["methods"][m]],
             "errors": errors}
+
+
+# Methods whose whole cost is their target passes (no draft model): their speed can also be
+# modelled from the calibration, free of the shared machine's noise.
+MODELLED = ("specgen-plain", "specgen-ngram", "specgen-ngram-tree", "specgen-lookahead")
+
+
+def modelled_ratios(rows: list[dict], methods: list[str], pairs: list[tuple[str, str]],
+                    costs: CostProfile | None) -> dict[str, tuple[float, float, float]]:
+    """(of medians, median per prompt, lowest prompt) of modelled tokens/s, for the pairs of MODELLED methods."""
+    chosen = [m for m in methods if m in MODELLED]
+    if costs is None or len(chosen) < 2:
+        return {}
+    rates = {m: [r["methods"][m]["new_tokens"] / costs.modelled_seconds(
+        {int(fed): count for fed, count in r["methods"][m]["passes"].items()}) for r in rows] for m in chosen}
+    out = {}
+    for a, b in pairs:
+        if a in rates and b in rates:
+            per_prompt = [x / y for x, y in zip(rates[a], rates[b])]
+            out[f"{a} / {b}"] = (statistics.median(rates[a]) / statistics.median(rates[b]),
+                                 statistics.median(per_prompt), min(per_prompt))
+    return out
 
 
 def main() -> int:

@@ -46,6 +46,7 @@ class GenerationStats:
     # drafted_at[i]: steps that drafted a token at position i; accepted_at[i]: and kept it.
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    passes: dict[int, int] = field(default_factory=dict)  # verification passes by tokens fed
     finish_reason: str | None = None
     _started: float | None = field(default=None, repr=False)
 
@@ -72,6 +73,8 @@ class GenerationStats:
         for position, (drafted, accepted) in enumerate(zip(other.drafted_at, other.accepted_at)):
             self.drafted_at[position] += drafted
             self.accepted_at[position] += accepted
+        for fed, count in other.passes.items():
+            self.passes[fed] = self.passes.get(fed, 0) + count
 
     @classmethod
     def pooled(cls, generations: Iterable["GenerationStats"]) -> "GenerationStats":
@@ -100,6 +103,7 @@ class GenerationStats:
             self.drafted += event.drafted
             self.accepted += event.accepted
             self.fed += event.fed
+            self.passes[event.fed] = self.passes.get(event.fed, 0) + 1
             self.tree_steps += event.tree
             self.draft_seconds += event.draft_seconds
             self.verify_seconds += event.verify_seconds

@@ -21,6 +21,7 @@ from speccli.generation.stream import Generator
 from speccli.config import SamplingConfig
 from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
 from speccli.errors import UsageError
+from speccli.engine.events import StepEvent
 from speccli.stats import GenerationStats
 from speccli.ui import bench_report
 from speccli.ui.bench_report import CSV_COLUMNS, SUMMARY_COLUMNS, ReportError
@@ -495,6 +496,15 @@ def fixed_results() -> BenchResults:
                  "speculative decoding failed: RuntimeError: boom"),
     ]
     return BenchResults(BenchSettings(max_new_tokens=20, ks=(2,), repeat=2), rows, {"target": "t"})
+
+
+def test_stats_count_passes_by_tokens_fed_and_pool_them():
+    first, second = GenerationStats(), GenerationStats()
+    for stats, feds in ((first, [1, 3, 3]), (second, [3, 7])):
+        for step, fed in enumerate(feds):
+            stats.observe(StepEvent(step, fed - 1, 0, 0.0, 0.1, fed=fed, tree=fed == 7))
+    assert first.passes == {1: 1, 3: 2}
+    assert GenerationStats.pooled([first, second]).passes == {1: 1, 3: 3, 7: 1}
 
 
 def test_summaries_on_fixed_numbers():

@@ -78,6 +78,15 @@ def seeded(costs: CostProfile) -> AdaptiveDraftLength:
     return policy
 
 
+def test_a_pass_of_an_unmeasured_size_is_interpolated_or_continued_and_passes_are_summed():
+    costs = CostProfile({1: 0.2, 2: 0.16, 4: 0.2, 8: 0.28}, None)
+    assert costs.pass_seconds(2) == 0.16
+    assert costs.pass_seconds(3) == pytest.approx(0.18)  # between 2 and 4
+    assert costs.pass_seconds(12) == pytest.approx(0.36)  # 0.02 a token, as from 4 to 8
+    assert CostProfile({2: 0.2}, None).pass_seconds(1) == pytest.approx(0.1)
+    assert costs.modelled_seconds({1: 10, 3: 2, 12: 1}) == pytest.approx(2.0 + 0.36 + 0.36)
+
+
 def test_seeded_policy_decides_from_the_first_step():
     assert AdaptiveDraftLength(max_k=8).next_k() == 4  # unseeded: a guess, then explore
     assert seeded(STEEP).next_k() == 0  # a pass over n tokens costs n passes: never draft

@@ -36,6 +36,29 @@ class CostProfile:
             "draft_seconds": self.draft_seconds,
         }
 
+    def pass_seconds(self, fed: int) -> float:
+        """A pass over `fed` tokens: measured, else interpolated between the nearest sizes
+        measured, or past the largest continued at the slope of the curve's upper half."""
+        if fed in self.verify_seconds:
+            return self.verify_seconds[fed]
+        sizes = sorted(self.verify_seconds)
+        below = [n for n in sizes if n < fed]
+        above = [n for n in sizes if n > fed]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            share = (fed - lo) / (hi - lo)
+            return self.verify_seconds[lo] + share * (self.verify_seconds[hi] - self.verify_seconds[lo])
+        if above:
+            return self.verify_seconds[above[0]] * fed / above[0]
+        largest, middle = sizes[-1], sizes[len(sizes) // 2]
+        slope = 0.0 if middle == largest else (self.verify_seconds[largest] - self.verify_seconds[middle]) / (largest - middle)
+        return self.verify_seconds[largest] + max(0.0, slope) * (fed - largest)
+
+    def modelled_seconds(self, passes: dict[int, int]) -> float:
+        """What passes of these sizes (tokens fed: count) cost by this profile: a timing free
+        of the noise of the moment they ran in, for methods whose cost is their target passes."""
+        return sum(count * self.pass_seconds(fed) for fed, count in passes.items())
+
     @classmethod
     def from_dict(cls, data: dict) -> CostProfile:
         verify = {int(fed): float(seconds) for fed, seconds in data["verify_seconds"].items()}
