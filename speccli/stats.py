@@ -4,6 +4,7 @@ per-position acceptance, tokens/s, and what the i.i.d. formula predicts."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -46,7 +47,7 @@ class GenerationStats:
     # drafted_at[i]: steps that drafted a token at position i; accepted_at[i]: and kept it.
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
-    passes: dict[int, int] = field(default_factory=dict)  # verification passes by tokens fed
+    passes: Counter[int] = field(default_factory=Counter)  # verification passes by tokens fed
     finish_reason: str | None = None
     _started: float | None = field(default=None, repr=False)
 
@@ -73,8 +74,7 @@ class GenerationStats:
         for position, (drafted, accepted) in enumerate(zip(other.drafted_at, other.accepted_at)):
             self.drafted_at[position] += drafted
             self.accepted_at[position] += accepted
-        for fed, count in other.passes.items():
-            self.passes[fed] = self.passes.get(fed, 0) + count
+        self.passes.update(other.passes)
 
     @classmethod
     def pooled(cls, generations: Iterable["GenerationStats"]) -> "GenerationStats":
@@ -103,7 +103,7 @@ class GenerationStats:
             self.drafted += event.drafted
             self.accepted += event.accepted
             self.fed += event.fed
-            self.passes[event.fed] = self.passes.get(event.fed, 0) + 1
+            self.passes[event.fed] += 1
             self.tree_steps += event.tree
             self.draft_seconds += event.draft_seconds
             self.verify_seconds += event.verify_seconds
