@@ -175,7 +175,7 @@ class Bench:
             "acceptance": stats.acceptance_rate,
             "tokens_per_step": stats.tokens_per_step,
             "pass_size": stats.mean_pass_size,
-            "passes": {str(fed): count for fed, count in sorted(stats.passes.items())},
+            "passes": dict(sorted(stats.passes.items())),  # tokens fed: count (keys become strings in the JSON)
             "forward_seconds": forward,
             "overhead": (wall - forward) / wall if wall > 0 else None,
         }
@@ -350,8 +350,8 @@ def modelled_ratios(rows: list[dict], methods: list[str], pairs: list[tuple[str,
     chosen = [m for m in methods if m in MODELLED]
     if costs is None or len(chosen) < 2:
         return {}
-    rates = {m: [r["methods"][m]["new_tokens"] / costs.modelled_seconds(
-        {int(fed): count for fed, count in r["methods"][m]["passes"].items()}) for r in rows] for m in chosen}
+    rates = {m: [r["methods"][m]["new_tokens"] / costs.modelled_seconds(r["methods"][m]["passes"]) for r in rows]
+             for m in chosen}
     out = {}
     for a, b in pairs:
         if a in rates and b in rates:
