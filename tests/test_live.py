@@ -136,6 +136,13 @@ def test_answer_line_exact():
     )
 
 
+def test_stats_summary_says_why_acceptance_is_missing():
+    from speccli.ui.plain import stats_summary
+
+    assert "| acceptance 58.3% |" in stats_summary(made_stats())
+    assert "| acceptance n/a (nothing drafted) |" in stats_summary(GenerationStats())
+
+
 def report(**changes) -> SessionReport:
     values = dict(
         answers=3, interrupted=1, tokens=120, steps=40, acceptance=0.75,

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -123,13 +123,28 @@ class LlamaCppWeights:
     n_vocab: int
     n_ctx_train: int
     threads: int  # the threads its contexts decode with
+    extra_buffers: bool = True  # weights repacked for this CPU's own kernels (see llamacpp_check)
 
     @classmethod
-    def load(cls, path: Path | str, threads: int | None = None) -> "LlamaCppWeights":
+    def load(
+        cls,
+        path: Path | str,
+        threads: int | None = None,
+        extra_buffers: bool | None = None,
+        say: Callable[[str], None] | None = None,
+        cache_dir: Path | None = None,
+    ) -> "LlamaCppWeights":
+        """Load `path`; `extra_buffers` None asks llamacpp_check whether this CPU runs the
+        repacked-weight kernels (`say` hears about a trial and a refusal)."""
         lc = _backend()
         path = Path(path)
+        if extra_buffers is None:
+            from speccli.engine.llamacpp_check import extra_buffers_verdict
+
+            extra_buffers = extra_buffers_verdict(path, cache_dir, say).extra_buffers
         params = lc.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.use_extra_bufts = extra_buffers
         pointer = lc.llama_model_load_from_file(str(path).encode(), params)
         if not pointer:
             raise LlamaCppError(f"llama.cpp could not load {path}: {_LOG.tail() or 'no reason given'}")
@@ -143,6 +158,7 @@ class LlamaCppWeights:
             n_vocab=int(lc.llama_vocab_n_tokens(vocab)),
             n_ctx_train=int(lc.llama_model_n_ctx_train(pointer)),
             threads=threads or default_threads(),
+            extra_buffers=extra_buffers,
         )
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:

@@ -133,9 +133,10 @@ class LoadedModel:
         """One line for status output, e.g.
         ``smollm2-135m: offline-package, float32 (gguf→float32), oneDNN linear on cpu, loaded in 10.8 s``."""
         if self.backend == "llama.cpp":
+            generic = "" if self.model.extra_buffers else ", generic kernels"
             return (
-                f"{self.name}: {self.resolved.kind}, llama.cpp ({self.model.description}, {self.model.threads} threads)"
-                f" on {self.device}, loaded in {self.load_seconds:.1f} s"
+                f"{self.name}: {self.resolved.kind}, llama.cpp ({self.model.description}, {self.model.threads} threads"
+                f"{generic}) on {self.device}, loaded in {self.load_seconds:.1f} s"
             )
         quant = "" if self.quant == "none" else f" ({self.quant})"
         linear = ", oneDNN linear" if self.linear == "onednn" else ""
@@ -747,7 +748,7 @@ def _load_llama_cpp(pending: PendingModel, say: Progress, started: float) -> Loa
     path = pending.resolved.gguf_path
     say(f"loading {pending.name}: {pending.resolved.gguf_file} through llama.cpp on cpu (memory-mapped)")
     try:
-        weights = LlamaCppWeights.load(path)
+        weights = LlamaCppWeights.load(path, say=say)
     except LlamaCppError as exc:
         raise ModelLoadError(
             f"cannot load {pending.name!r} ({pending.resolved.description}) through llama.cpp: {exc}",

@@ -76,11 +76,12 @@ def fmt_optional(value: float | None, spec: str, missing: str = "n/a") -> str:
 
 def stats_summary(stats: GenerationStats) -> str:
     """A short block for stderr after a generation."""
-    acceptance = stats.acceptance_rate
+    rate = stats.acceptance_rate
+    acceptance = "n/a (nothing drafted)" if rate is None else f"{100 * rate:.1f}%"
     lines = [
         f"tokens: {stats.new_tokens} in {stats.steps} steps"
         f" | {fmt_optional(stats.tokens_per_second, '.2f')} tok/s"
-        f" | acceptance {fmt_optional(None if acceptance is None else 100 * acceptance, '.1f')}%"
+        f" | acceptance {acceptance}"
         f" | tokens/step {fmt_optional(stats.tokens_per_step, '.2f')}"
         f" (predicted {fmt_optional(stats.predicted_tokens_per_step, '.2f')})"
         f" | first token {fmt_optional(stats.first_token_seconds, '.2f')} s",
