@@ -36,6 +36,31 @@ def test_measure_costs_without_a_draft_model(pairs):
     assert sorted(costs.verify_seconds) == [1, 2] and costs.draft_seconds is None
 
 
+def test_measure_costs_keeps_the_fastest_round_and_alternates_the_order(pairs, monkeypatch):
+    from speccli.engine import calibration
+
+    order: list[int] = []
+    spells = {(1, 4), (2, 4), (3, 1)}  # (round, size) that a noisy spell slowed down
+
+    def timed(model, settled, tokens):
+        size, round_index = len(tokens), order.count(len(tokens))
+        order.append(size)
+        return (0.1 + 0.01 * size) * (3 if (round_index, size) in spells else 1)
+
+    monkeypatch.setattr(calibration, "_seconds", timed)
+    costs = measure_costs(wrap(pairs[0].target), None, max_fed=4, repeats=3, context_tokens=4, sizes=[1, 4])
+    assert order == [1, 4, 4, 1, 1, 4, 4, 1]  # a warm-up round, then three, each the other way round
+    assert costs.verify_seconds == pytest.approx({1: 0.11, 4: 0.14})  # spoiled in two of three rounds: still 0.14
+
+
+def test_measure_costs_over_chosen_sizes(pairs):
+    target = wrap(pairs[0].target)
+    costs = measure_costs(target, None, max_fed=12, repeats=1, context_tokens=4, sizes=[12, 1, 4, 4])
+    assert sorted(costs.verify_seconds) == [1, 4, 12] and list(target.cached_tokens) == []
+    with pytest.raises(ValueError, match="sizes must lie in 1..8"):
+        measure_costs(target, None, max_fed=8, repeats=1, sizes=[4, 12])
+
+
 class AsyncDevice:
     """A backend that says it runs on CUDA: its passes must be waited for before timing."""
 

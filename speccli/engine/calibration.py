@@ -10,7 +10,6 @@ keeps refining them from the steps it runs.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -97,22 +96,32 @@ def measure_costs(
     max_fed: int,
     repeats: int = 3,
     context_tokens: int = CONTEXT_TOKENS,
+    sizes: Sequence[int] | None = None,
 ) -> CostProfile:
-    """Time target passes over 1..max_fed new tokens and a one-token draft pass, each on
-    top of `context_tokens` cached tokens: the median of `repeats` rounds, each round over
-    every size in turn (a moment of noise on a shared machine then spoils one round of
-    several sizes, not every measurement of one), after a round that warms the kernels for
-    each shape. Both caches are empty afterwards."""
+    """Time target passes over 1..max_fed new tokens (or over `sizes`, each at most max_fed)
+    and a one-token draft pass, each on top of `context_tokens` cached tokens: the fastest of
+    `repeats` rounds, after a round that warms the kernels for each shape. Each round times
+    every size in turn, in the opposite order to the round before, so that a spell of noise on
+    a shared machine spoils one round of some sizes, not every measurement of one, nor the
+    same sizes every round. The fastest, not the median: noise only ever adds time, and a
+    spell that spoils two of three rounds of the larger sizes (seen: 16 tokens at 1.3-1.4x a
+    one-token pass against 1.1x in quiet rounds) made lookahead choose a window half as wide
+    as the one that pays. Both caches are empty afterwards."""
     if max_fed < 1 or repeats < 1:
         raise ValueError(f"need max_fed >= 1 and repeats >= 1, got {max_fed}, {repeats}")
+    sizes = range(1, max_fed + 1) if sizes is None else sorted(set(sizes))
+    if not sizes or sizes[0] < 1 or sizes[-1] > max_fed:
+        raise ValueError(f"sizes must lie in 1..{max_fed}, got {list(sizes)}")
     context = _filler(target.vocab_size, context_tokens + max_fed)
     prompt, fed_tokens = context[:context_tokens], context[context_tokens:]
-    sizes = range(1, max_fed + 1)
     try:
         target.rollback(0)
         target.forward(prompt, all_logits=False)
-        rounds = [[_seconds(target, len(prompt), fed_tokens[:fed]) for fed in sizes] for _ in range(repeats + 1)]
-        verify = {fed: statistics.median(times[i] for times in rounds[1:]) for i, fed in enumerate(sizes)}
+        timed: dict[int, list[float]] = {fed: [] for fed in sizes}
+        for round_index in range(repeats + 1):
+            for fed in sizes if round_index % 2 == 0 else reversed(sizes):
+                timed[fed].append(_seconds(target, len(prompt), fed_tokens[:fed]))
+        verify = {fed: min(times[1:]) for fed, times in timed.items()}
         draft_seconds = None
         if draft is not None:
             # The draft's own ids: the target may know ids the draft's embedding has no row for.
@@ -120,7 +129,7 @@ def measure_costs(
             draft.rollback(0)
             draft.forward(draft_context[:-1], all_logits=False)
             times = [_seconds(draft, context_tokens, draft_context[-1:]) for _ in range(repeats + 1)]
-            draft_seconds = statistics.median(times[1:])
+            draft_seconds = min(times[1:])
     finally:
         target.rollback(0)
         if draft is not None:
