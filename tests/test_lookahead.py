@@ -243,13 +243,16 @@ class TestGate:
         gate = LookaheadGate(2, window=4)
         assert self.run(gate, [0, 0, 0, 1] * 10) == "L" * 40
 
-    def test_gains_below_what_the_larger_pass_costs_turn_lookahead_off(self):
-        # One token in four steps pays a pass 20% dearer, not one 30% dearer.
-        assert self.run(LookaheadGate(2, break_even=0.2, window=4), [0, 0, 0, 1] * 3) == "L" * 12
-        assert self.run(LookaheadGate(2, break_even=0.3, window=4, probe_every=8), [0, 0, 0, 1] * 3) == "LLLL" + "." * 8
+    def test_gains_well_below_what_the_larger_pass_costs_turn_lookahead_off(self):
+        # One token in four steps: on for a pass 40% dearer (half of that is the bar), off for one 60% dearer.
+        assert self.run(LookaheadGate(2, break_even=0.4, window=4), [0, 0, 0, 1] * 3) == "L" * 12
+        assert self.run(LookaheadGate(2, break_even=0.6, window=4, probe_every=8), [0, 0, 0, 1] * 3) == "LLLL" + "." * 8
+        # Without the margin, the break-even itself is the bar.
+        gate = LookaheadGate(2, break_even=0.3, window=4, probe_every=8, margin=1.0)
+        assert self.run(gate, [0, 0, 0, 1] * 3) == "LLLL" + "." * 8
 
     def test_the_window_slides_over_the_latest_steps(self):
-        gate = LookaheadGate(2, break_even=0.5, window=4, probe_every=8)
+        gate = LookaheadGate(2, break_even=0.5, window=4, probe_every=8, margin=1.0)
         # A token in each of the first four steps; the window's mean then falls to 0.75, 0.5.
         assert self.run(gate, [1, 1, 1, 1, 0, 0] + [0] * 8) == "LLLLLL" + "." * 8
 
@@ -266,6 +269,8 @@ class TestGate:
             LookaheadGate(2, window=0)
         with pytest.raises(ValueError):
             LookaheadGate(2, break_even=-0.1)
+        with pytest.raises(ValueError):
+            LookaheadGate(2, margin=0.0)
 
 
 def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
