@@ -288,7 +288,7 @@ class LookaheadGate:
     guesses must accept `break_even` extra tokens per step on average to pay for it (from
     the measured pass costs). On text that never repeats itself they accept nothing and
     every step pays that extra for nothing (0.75x plain decoding on an H200 with
-    random-weight models). When the last `window` lookahead steps accepted fewer than
+    random-weight models). When the last `window` lookahead steps accepted no more than
     `margin` x `break_even` extra tokens per step, plain steps follow; after `probe_every` of them
     (doubled after each probe that did not pay either, up to `max_backoff` doublings)
     lookahead steps are tried again, judged on a fresh window. The rule counts accepted
