@@ -70,6 +70,15 @@ def test_no_trial_where_the_build_has_no_amx_kernels(model_file, monkeypatch):
     assert extra_buffers_verdict(model_file, None, None, trial) == Verdict(True, "")
 
 
+def test_a_missing_file_is_left_to_the_load_to_report(tmp_path, monkeypatch):
+    monkeypatch.setattr(llamacpp_check, "build_has_amx", lambda: True)
+
+    def trial(path: Path) -> subprocess.CompletedProcess:
+        raise AssertionError("no trial expected")
+
+    assert extra_buffers_verdict(tmp_path / "missing.gguf", tmp_path, None, trial) == Verdict(True, "")
+
+
 def test_a_trial_that_hangs_loads_without_extra_buffers_but_is_tried_again(model_file, tmp_path, monkeypatch):
     def hangs(path: Path) -> subprocess.CompletedProcess:
         raise subprocess.TimeoutExpired(["child"], 900)

@@ -131,8 +131,8 @@ def extra_buffers_verdict(
     """Whether `model_path` may load with llama.cpp's extra buffer types here: yes without a
     trial where the build holds no AMX kernels; else the cached verdict, or a trial now."""
     model_path = Path(model_path)
-    if not build_has_amx():
-        return Verdict(True, "")
+    if not model_path.is_file() or not build_has_amx():
+        return Verdict(True, "")  # no file: nothing to try; llama.cpp's own load says what is wrong
     key = check_key(model_path)
     if key in _VERDICTS:
         return _VERDICTS[key]
