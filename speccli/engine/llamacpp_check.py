@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -83,20 +82,16 @@ def _read_cached(path: Path, key: str) -> Verdict | None:
 
 
 def _write_cached(path: Path, key: str, verdict: Verdict) -> None:
+    from speccli.models import offline
+
     try:
-        data = json.loads(path.read_text()) if path.exists() else {}
-        if not isinstance(data, dict):
-            data = {}
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
+    if not isinstance(data, dict):
+        data = {}
     data[key] = {"extra_buffers": verdict.extra_buffers, "reason": verdict.reason}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = path.with_suffix(f".{os.getpid()}.tmp")
-        scratch.write_text(json.dumps(data, indent=2))
-        os.replace(scratch, path)
-    except OSError:
-        pass  # a read-only cache costs a check next time
+    offline.write_json(path, data)  # a read-only cache costs a check next time
 
 
 def run_trial(model_path: Path) -> subprocess.CompletedProcess:

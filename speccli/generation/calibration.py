@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -79,7 +78,7 @@ def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:
 
 def _write(path: Path, identity: dict[str, Any], costs: CostProfile) -> None:
     payload = {"identity": identity, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "costs": costs.as_dict()}
-    _write_json(path, payload)
+    offline.write_json(path, payload)
 
 
 def prior_path(calibration: Path) -> Path:
@@ -102,16 +101,6 @@ def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
         return None
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-            json.dump(payload, handle, indent=2)
-        os.replace(handle.name, path)
-    except OSError:
-        pass  # a read-only cache only costs a calibration (or a prior) next time
-
-
 def remember(pipeline: Pipeline, max_k: int, cache_dir: Path | None = None) -> AcceptancePrior | None:
     """Save what the pipeline's decoder learned about the draft's acceptance (with the
     prior it started from), beside the calibration for `max_k`."""
@@ -125,7 +114,7 @@ def remember(pipeline: Pipeline, max_k: int, cache_dir: Path | None = None) -> A
         "acceptance": [round(a, 4) for a in learned.acceptance],
         "steps": learned.steps,
     }
-    _write_json(prior_path(calibration_path(identity, cache_dir)), payload)
+    offline.write_json(prior_path(calibration_path(identity, cache_dir)), payload)
     return learned
 
 

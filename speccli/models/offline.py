@@ -288,28 +288,31 @@ def _sidecar_ok(sidecar: Path, model: OfflineModel, path: Path) -> bool:
     )
 
 
-def _write_sidecar(sidecar: Path, model: OfflineModel, path: Path) -> None:
-    """Record that ``path`` was verified. Best effort: a read-only cache only costs a re-hash."""
+def write_json(path: Path, payload: object) -> None:
+    """Write `payload` as JSON to `path` whole or not at all (a temporary file beside it, then a
+    rename). Best effort: a read-only or full cache only costs its work again next time."""
     tmp_name: str | None = None
     try:
-        st = path.stat()
-        record = {
-            "path": str(path),
-            "size": st.st_size,
-            "mtime_ns": st.st_mtime_ns,
-            "sha256": model.sha256,
-        }
-        sidecar.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(dir=sidecar.parent, prefix=f".{sidecar.name}.", suffix=".tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-        os.replace(tmp_name, sidecar)
+            json.dump(payload, f, indent=2)
+        os.replace(tmp_name, path)
         tmp_name = None
     except OSError:
         pass
     finally:
         if tmp_name is not None:
             _unlink(Path(tmp_name))
+
+
+def _write_sidecar(sidecar: Path, model: OfflineModel, path: Path) -> None:
+    """Record that ``path`` was verified. Best effort: a read-only cache only costs a re-hash."""
+    try:
+        st = path.stat()
+    except OSError:
+        return
+    write_json(sidecar, {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": model.sha256})
 
 
 def _unlink(path: Path) -> None:
