@@ -228,3 +228,59 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
         path.write_text(damage)
         third = pipeline_for(folders)
         assert calibrate(third, max_k=auto.max_k) == FLAT and third.decoder.prior is None
+
+
+def test_pass_times_tell_a_calibration_that_overstates_the_costs():
+    from speccli.engine.calibration import OVERSTATED_BY, MIN_PASSES, Overstatement, PassTimes
+
+    loaded = CostProfile({1: 0.722, 16: 1.286, 17: 0.765}, None)  # measured while the test suite ran
+    times = PassTimes()
+    for _ in range(MIN_PASSES - 1):
+        times.record(17, 0.43)
+    times.record(40, 0.01)  # a size the calibration never measured says nothing
+    assert times.overstatement(loaded) is None  # too few passes of any size to tell
+    times.record(17, 0.44)
+    found = times.overstatement(loaded)
+    assert found == Overstatement(17, 0.765, 0.43) and found.ratio == pytest.approx(0.765 / 0.43)
+
+    # Passes slower than the calibration (this moment is the busy one), or faster by less
+    # than OVERSTATED_BY, leave it standing.
+    assert times.overstatement(CostProfile({17: 0.3}, None)) is None
+    assert times.overstatement(CostProfile({17: 0.43 * OVERSTATED_BY * 0.99}, None)) is None
+    for _ in range(MIN_PASSES):
+        times.record(1, 0.2)
+    assert times.overstatement(loaded).fed == 1  # the size it overstates most
+
+
+def test_a_calibration_the_passes_show_overstated_is_dropped_and_measured_again(folders, tmp_path, monkeypatch):
+    from speccli.engine.calibration import MIN_PASSES
+
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
+    measured: list[CostProfile] = []
+    slow = CostProfile({n: 10.0 for n in range(1, 10)}, 0.5)  # tiny models' passes take milliseconds
+
+    def measure(*args, **kwargs):
+        measured.append(slow)
+        return slow
+
+    monkeypatch.setattr(calibration_cache, "measure_costs", measure)
+    pipeline = pipeline_for(folders)
+    messages: list[str] = []
+    generator = pipeline.generator(progress=messages.append)
+    auto = SpecConfig(k="auto", max_new_tokens=MIN_PASSES * 6)  # k auto drafts 1-2 tokens a step here
+    generator.stream([5, 6, 7], SamplingConfig(), auto).run()
+    path = calibration_path(calibration_identity(pipeline, auto.max_k + 1))
+    assert len(measured) == 1 and not path.exists() and pipeline.decoder.costs is None
+    assert "measured on a busier machine" in messages[-1] and "not 10000 ms" in messages[-1]
+
+    # The next generation measures again; costs the passes bear out stay cached.
+    honest = CostProfile({n: 1e-6 for n in range(1, 10)}, 1e-7)
+    measured.clear()
+    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: measured.append(honest) or honest)
+    generator.stream([5, 6, 7], SamplingConfig(), auto).run()
+    assert measured == [honest] and path.exists() and pipeline.decoder.costs == honest
+
+    # Plain decoding and fixed k never read the costs: nothing is checked after them.
+    pipeline.decoder.costs = slow
+    generator.stream([5, 6, 7], SamplingConfig(), SpecConfig(k=2, max_new_tokens=MIN_PASSES * 2)).run()
+    assert pipeline.decoder.costs == slow

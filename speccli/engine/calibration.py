@@ -10,8 +10,10 @@ keeps refining them from the steps it runs.
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -19,6 +21,10 @@ import torch
 from speccli.engine.backends import CausalLM
 
 CONTEXT_TOKENS = 64  # a typical prompt's worth of cache: attention cost is part of a pass
+# A calibration whose passes cost this many times what a session's own passes of the same
+# size took (their median) was measured on a busier machine than this one now is.
+OVERSTATED_BY = 1.5
+MIN_PASSES = 8  # passes of one size before their median is trusted against a calibration
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,49 @@ class CostProfile:
         if draft is not None and float(draft) <= 0:
             raise ValueError("draft_seconds must be positive")
         return cls(verify, None if draft is None else float(draft))
+
+
+@dataclass(frozen=True)
+class Overstatement:
+    """A calibration that says passes cost more than a session measured them: `fed` tokens
+    per pass, the calibration's seconds and the median of the session's passes."""
+
+    fed: int
+    calibrated_seconds: float
+    measured_seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.calibrated_seconds / self.measured_seconds
+
+
+@dataclass
+class PassTimes:
+    """The seconds of the target passes a session ran, by tokens fed (the latest few of
+    each size), to tell whether a cached calibration still describes the machine. Noise only
+    ever adds time, so only one direction says something: passes that ran well below what
+    the calibration says mean it was measured while something else used the machine (seen:
+    a calibration taken while the test suite ran, three times the quiet costs, kept lookahead
+    on 17-token passes where the quiet curve means plain decoding)."""
+
+    keep: int = 64
+    seconds: dict[int, deque] = field(default_factory=dict)
+
+    def record(self, fed: int, seconds: float) -> None:
+        self.seconds.setdefault(fed, deque(maxlen=self.keep)).append(seconds)
+
+    def overstatement(self, costs: CostProfile, min_passes: int = MIN_PASSES) -> Overstatement | None:
+        """The size whose calibrated cost most exceeds the median of this session's passes,
+        when by more than OVERSTATED_BY; None when the calibration holds (or too few passes
+        of any measured size ran to tell)."""
+        worst: Overstatement | None = None
+        for fed, times in self.seconds.items():
+            if len(times) < min_passes or fed not in costs.verify_seconds:
+                continue
+            found = Overstatement(fed, costs.verify_seconds[fed], statistics.median(times))
+            if found.measured_seconds > 0 and (worst is None or found.ratio > worst.ratio):
+                worst = found
+        return worst if worst is not None and worst.ratio > OVERSTATED_BY else None
 
 
 def _filler(vocab_size: int, count: int) -> list[int]:

@@ -16,7 +16,7 @@ import torch
 
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.backends import CausalLM, common_prefix_length
-from speccli.engine.calibration import CostProfile
+from speccli.engine.calibration import CostProfile, PassTimes
 from speccli.engine.coupling import PositionNoise, perturbed, verify_coupled
 from speccli.engine.drafters import Draft, Drafter
 from speccli.engine.head_drafters import FeatureDrafter
@@ -126,7 +126,8 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.drafter = drafter
-        # Measured pass costs (a calibration) to start `k=auto` from, instead of exploring.
+        # Measured pass costs (a calibration) to start `k=auto` from, instead of exploring;
+        # the passes run since they were set, to check them against (`pass_times`).
         self.costs = costs
         # The draft's acceptance by position as an earlier session with this pair left it.
         self.prior = prior
@@ -136,6 +137,15 @@ class SpeculativeDecoder:
         self._adaptive_from: tuple = ()
         if self._feature_drafter() is not None:
             target.capture_hidden()
+
+    @property
+    def costs(self) -> CostProfile | None:
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: CostProfile | None) -> None:
+        self._costs = costs
+        self.pass_times = PassTimes()
 
     def _feature_drafter(self) -> FeatureDrafter | None:
         """The drafter, when it drafts from the target's features (Medusa, EAGLE)."""
@@ -194,6 +204,7 @@ class SpeculativeDecoder:
                 outcome = self._chain_step(context, k, sampling, generator, noise, next_position, step)
             step_event = outcome.event
             policy.observe(step_event)
+            self.pass_times.record(step_event.fed, step_event.verify_seconds)
             new_tokens = outcome.tokens
             context.extend(new_tokens)
             if noise is not None:

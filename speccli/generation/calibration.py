@@ -4,7 +4,8 @@ result on disk (``<cache>/calibration/<key>.json``) so later sessions start from
 Beside it (``<cache>/calibration/acceptance/<key>.json``) lies what `k auto` learned about the draft's
 acceptance by position, saved after each generation (`remember`) and read back with the
 calibration to seed the next session's policy. Either file, missing or damaged, only
-costs what it would have saved."""
+costs what it would have saved. A calibration that a generation's own passes show was
+measured on a busier machine is dropped and measured again (`drop_if_overstated`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from speccli.engine.calibration import CostProfile, measure_costs
+from speccli.engine.calibration import CostProfile, Overstatement, measure_costs
 from speccli.engine.drafters import ModelDrafter
 from speccli.engine.llamacpp_backend import llama_cpp_version
 from speccli.engine.policy import AcceptancePrior
@@ -116,6 +117,35 @@ def remember(pipeline: Pipeline, max_k: int, cache_dir: Path | None = None) -> A
     }
     offline.write_json(prior_path(calibration_path(identity, cache_dir)), payload)
     return learned
+
+
+def drop_if_overstated(
+    pipeline: Pipeline,
+    max_k: int,
+    progress: Callable[[str], None] | None = None,
+    cache_dir: Path | None = None,
+) -> Overstatement | None:
+    """After a generation with `k auto`: when its passes ran well below what the calibration
+    says they cost (it was measured on a busier machine), delete the cached calibration and
+    take it from the decoder, so that the next generation, here or in a later session,
+    measures again. Returns what was found, or None when the calibration holds."""
+    decoder = pipeline.decoder
+    if decoder.costs is None:
+        return None
+    found = decoder.pass_times.overstatement(decoder.costs)
+    if found is None:
+        return None
+    path = calibration_path(calibration_identity(pipeline, max_k + 1), cache_dir)
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # read-only cache: this session still measures again
+    decoder.costs = None
+    if progress is not None:
+        progress(f"the cached pass costs were measured on a busier machine: {found.fed}-token passes took"
+                 f" {found.measured_seconds * 1000:.0f} ms, not {found.calibrated_seconds * 1000:.0f} ms;"
+                 " measuring them again before the next generation")
+    return found
 
 
 def calibrate(

@@ -58,13 +58,17 @@ class Pipeline:
         """The Generator over this pipeline's decoder. `k auto` calibrates through the
         on-disk cache (speccli.generation.calibration) the first time it is asked for, and
         what it learns about the draft's acceptance is kept there after each generation."""
-        from speccli.generation.calibration import calibrate, remember
+        from speccli.generation.calibration import calibrate, drop_if_overstated, remember
         from speccli.generation.stream import Generator
+
+        def after_generation(max_k: int) -> None:
+            remember(self, max_k)
+            drop_if_overstated(self, max_k, progress)
 
         return Generator(
             self.decoder,
             lambda max_k: calibrate(self, max_k, progress, refresh=recalibrate),
-            lambda max_k: remember(self, max_k),
+            after_generation,
         )
 
     def model_info(self) -> dict[str, str]:
