@@ -111,3 +111,36 @@ def test_answers_come_first_in_the_corpus(tokenizer):
 def test_answers_shorten_the_default_text_but_not_the_users_own():
     assert default_text(250, own_data=False) == (64_000, 8.0)
     assert default_text(250, own_data=True) == default_text(0, own_data=False) == (180_000, 4.0)
+
+
+def test_a_batch_of_greedy_answers_is_each_prompts_own_greedy_continuation():
+    import torch
+
+    from conftest import tiny_llama
+    from speccli.commands.train_heads import greedy_batch
+
+    model = tiny_llama(40, seed=3, logit_scale=4.0).eval()
+    prompts = [[5, 6, 7, 8, 9, 10], [11], [12, 13, 14]]
+    alone = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    assert greedy_batch(model, prompts, 12, stop=[39]) == alone  # padded on the left, masked: the same tokens
+    # Each answer ends before its first stop token; the others run on.
+    stop = alone[0][4]
+    cut = [row[: row.index(stop)] if stop in row else row for row in alone]
+    assert greedy_batch(model, prompts, 12, stop=[stop, 39]) == cut and len(cut[0]) <= 4
+    with pytest.raises(ValueError, match="stop token"):
+        greedy_batch(model, prompts, 12, stop=[])
+
+
+def test_answers_come_through_transformers_in_batches_where_the_target_is_in_a_fast_dtype():
+    from types import SimpleNamespace
+
+    import torch
+
+    from speccli.commands.train_heads import TRANSFORMERS_ANSWER_BATCH, _batches_fast
+
+    def loaded(device: str, dtype: torch.dtype):
+        return SimpleNamespace(device=torch.device(device), dtype=dtype)
+
+    assert _batches_fast(loaded("cpu", torch.bfloat16)) and _batches_fast(loaded("cpu", torch.float16))
+    assert _batches_fast(loaded("cuda", torch.float32)) and not _batches_fast(loaded("cpu", torch.float32))
+    assert TRANSFORMERS_ANSWER_BATCH >= 16
