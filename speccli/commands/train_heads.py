@@ -151,7 +151,7 @@ def own_answers(target: LoadedModel, count: int, cache_dir: Path, events: TrainE
     return [[{"role": "user", "content": r}, {"role": "assistant", "content": made[r]}] for r in wanted]
 
 
-DEFAULT_ANSWERS = 250  # about 52,000 tokens of chats: 18 minutes through llama.cpp on 2 cores
+DEFAULT_ANSWERS = 250  # about 52,000 tokens of chats: 17-18 minutes on 2 cores (transformers bf16 or llama.cpp)
 DEFAULT_TOKENS = 180_000  # without answers: the stdlib's text
 TOKENS_PER_ANSWER = 256  # the default --tokens with answers: every answer, then a little stdlib text
 # Passes over the text. The target's answers are worth more per token than the stdlib's

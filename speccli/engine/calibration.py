@@ -118,7 +118,7 @@ class PassTimes:
         return worst if worst is not None and worst.ratio > OVERSTATED_BY else None
 
 
-def _filler(vocab_size: int, count: int) -> list[int]:
+def filler_ids(vocab_size: int, count: int) -> list[int]:
     # Which ids are fed does not change what a pass costs; spread them over the vocabulary.
     return [(7919 * i + 11) % vocab_size for i in range(count)]
 
@@ -161,7 +161,7 @@ def measure_costs(
     sizes = range(1, max_fed + 1) if sizes is None else sorted(set(sizes))
     if not sizes or sizes[0] < 1 or sizes[-1] > max_fed:
         raise ValueError(f"sizes must lie in 1..{max_fed}, got {list(sizes)}")
-    context = _filler(target.vocab_size, context_tokens + max_fed)
+    context = filler_ids(target.vocab_size, context_tokens + max_fed)
     prompt, fed_tokens = context[:context_tokens], context[context_tokens:]
     try:
         target.rollback(0)
@@ -174,7 +174,7 @@ def measure_costs(
         draft_seconds = None
         if draft is not None:
             # The draft's own ids: the target may know ids the draft's embedding has no row for.
-            draft_context = _filler(draft.vocab_size, context_tokens + 1)
+            draft_context = filler_ids(draft.vocab_size, context_tokens + 1)
             draft.rollback(0)
             draft.forward(draft_context[:-1], all_logits=False)
             times = [_seconds(draft, context_tokens, draft_context[-1:]) for _ in range(repeats + 1)]

@@ -149,10 +149,11 @@ def extra_buffers_verdict(
 
 
 def _trial(model_path: str) -> None:
+    from speccli.engine.calibration import filler_ids
     from speccli.engine.llamacpp_backend import LlamaCppLM, LlamaCppWeights
 
     lm = LlamaCppLM(LlamaCppWeights.load(model_path, extra_buffers=True), n_ctx=256)
-    tokens = [(7919 * i + 11) % lm.vocab_size for i in range(sum(TRIAL_PASSES))]
+    tokens = filler_ids(lm.vocab_size, sum(TRIAL_PASSES))
     start = 0
     for size in TRIAL_PASSES:
         lm.forward(tokens[start:start + size])
