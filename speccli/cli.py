@@ -199,8 +199,9 @@ def generate(
         text = read_prompt(prompt)
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
+        generator = pipeline.generator(progress, recalibrate)
         try:
-            generation = pipeline.generator(progress, recalibrate).stream(Prompt.of(text, chat, system), sampling, spec)
+            generation = generator.stream(Prompt.of(text, chat, system), sampling, spec)
         except NoChatTemplateError:
             raise UsageError("this model has no chat template", "run without --chat") from None
         except ContextOverflowError as error:
@@ -209,6 +210,8 @@ def generate(
                 "shorten the prompt",
             ) from None
         finished = print_generation(pipeline, generation, sampling, spec, as_json, stats)
+        for notice in generator.take_notices():
+            progress(notice)
         return 0 if finished else EXIT_INTERRUPTED
 
     _run_guarded(body)

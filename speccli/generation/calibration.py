@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from speccli.engine.calibration import CostProfile, Overstatement, measure_costs
+from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import ModelDrafter
 from speccli.engine.llamacpp_backend import llama_cpp_version
 from speccli.engine.policy import AcceptancePrior
@@ -119,16 +119,11 @@ def remember(pipeline: Pipeline, max_k: int, cache_dir: Path | None = None) -> A
     return learned
 
 
-def drop_if_overstated(
-    pipeline: Pipeline,
-    max_k: int,
-    progress: Callable[[str], None] | None = None,
-    cache_dir: Path | None = None,
-) -> Overstatement | None:
+def drop_if_overstated(pipeline: Pipeline, max_k: int, cache_dir: Path | None = None) -> str | None:
     """After a generation with `k auto`: when its passes ran well below what the calibration
     says they cost (it was measured on a busier machine), delete the cached calibration and
     take it from the decoder, so that the next generation, here or in a later session,
-    measures again. Returns what was found, or None when the calibration holds."""
+    measures again. Returns what to tell the user, or None when the calibration holds."""
     decoder = pipeline.decoder
     if decoder.costs is None:
         return None
@@ -141,11 +136,9 @@ def drop_if_overstated(
     except OSError:
         pass  # read-only cache: this session still measures again
     decoder.costs = None
-    if progress is not None:
-        progress(f"the cached pass costs were measured on a busier machine: {found.fed}-token passes took"
-                 f" {found.measured_seconds * 1000:.0f} ms, not {found.calibrated_seconds * 1000:.0f} ms;"
-                 " measuring them again before the next generation")
-    return found
+    return (f"the cached pass costs were measured on a busier machine: {found.fed}-token passes took"
+            f" {found.measured_seconds * 1000:.0f} ms, not {found.calibrated_seconds * 1000:.0f} ms;"
+            " they are measured again before the next generation")
 
 
 def calibrate(

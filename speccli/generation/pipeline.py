@@ -61,14 +61,15 @@ class Pipeline:
         from speccli.generation.calibration import calibrate, drop_if_overstated, remember
         from speccli.generation.stream import Generator
 
-        def after_generation(max_k: int) -> None:
+        def after_generation(max_k: int) -> str | None:
             remember(self, max_k)
-            drop_if_overstated(self, max_k, progress)
+            return drop_if_overstated(self, max_k)
 
         return Generator(
             self.decoder,
             lambda max_k: calibrate(self, max_k, progress, refresh=recalibrate),
             after_generation,
+            notify=progress,
         )
 
     def model_info(self) -> dict[str, str]:

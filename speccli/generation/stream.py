@@ -29,8 +29,9 @@ INTERRUPTED = "interrupted"
 
 # Measures pass costs for `k auto` (or reads them from a cache) for drafts up to max_k.
 Calibrate = Callable[[int], "CostProfile | None"]
-# Keeps what `k auto` learned about the draft (for drafts up to max_k) for the next session.
-Remember = Callable[[int], object]
+# Keeps what `k auto` learned about the draft (for drafts up to max_k) for the next session;
+# returns a notice for the user, if any (shown after the generation's output, not inside it).
+Remember = Callable[[int], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -124,12 +125,25 @@ class Generator:
     """
 
     def __init__(
-        self, decoder: SpeculativeDecoder, calibrate: Calibrate | None = None, remember: Remember | None = None
+        self,
+        decoder: SpeculativeDecoder,
+        calibrate: Calibrate | None = None,
+        remember: Remember | None = None,
+        notify: Callable[[str], None] | None = None,
     ) -> None:
         self.decoder = decoder
         self._calibrate = calibrate
         self._remember = remember
+        self._notify = notify
         self._plain: dict[bool, SpeculativeDecoder] = {}
+        # What the work after a generation has to tell the user: a one-shot consumer shows it
+        # after the output (take_notices); otherwise the next `stream` hands it to `notify`.
+        self.notices: list[str] = []
+
+    def take_notices(self) -> list[str]:
+        """The notices not shown yet, once."""
+        notices, self.notices = self.notices, []
+        return notices
 
     @classmethod
     def over(
@@ -195,6 +209,9 @@ class Generator:
         if not stop_at_eos and not plain:
             raise ValueError("only plain decoding can run past end-of-sequence tokens")
         ids = self.encode(prompt)
+        if self._notify is not None:
+            for notice in self.take_notices():
+                self._notify(notice)
         decoder = self._plain_decoder(stop_at_eos) if plain else self.decoder
         adaptive = decoder.drafter is not None and spec.k == AUTO_K
         if adaptive:
@@ -205,9 +222,14 @@ class Generator:
                 decoder.drafter.rollback(0)
         on_end = None
         if adaptive and self._remember is not None:
-            remember, max_k = self._remember, spec.max_k
-            on_end = lambda: remember(max_k)  # noqa: E731
+            max_k = spec.max_k
+            on_end = lambda: self._after_generation(max_k)  # noqa: E731
         return Generation(ids, decoder.generate(ids, sampling, spec), on_end)
+
+    def _after_generation(self, max_k: int) -> None:
+        notice = self._remember(max_k)
+        if isinstance(notice, str):
+            self.notices.append(notice)
 
     def _plain_decoder(self, stop_at_eos: bool) -> SpeculativeDecoder:
         if stop_at_eos not in self._plain:
