@@ -57,7 +57,8 @@ class Pipeline:
     def generator(self, progress: Callable[[str], None] | None = None, recalibrate: bool = False) -> Generator:
         """The Generator over this pipeline's decoder. `k auto` calibrates through the
         on-disk cache (speccli.generation.calibration) the first time it is asked for, and
-        what it learns about the draft's acceptance is kept there after each generation."""
+        what it learns about the draft's acceptance is kept there after each generation; a
+        calibration the generation's own passes show overstated is dropped, to be measured again."""
         from speccli.generation.calibration import calibrate, drop_if_overstated, remember
         from speccli.generation.stream import Generator
 
