@@ -27,7 +27,7 @@ from speccli.commands.bench_prompts import load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.generation.pipeline import load_pipeline
 from speccli.generation.prompts import encode_prompt
-from speccli.heads.train import eagle_forward
+from speccli.heads.train import eagle_first_guesses
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,10 +42,9 @@ def teacher_forced_guesses(pipeline, ids: list[int]) -> torch.Tensor:
     hidden = model.base_model(input_ids=full).last_hidden_state
     head = drafter.head.float()
     try:
-        predicted = eagle_forward(head, drafter.embeddings, hidden.float(), full)
+        return eagle_first_guesses(head, drafter.embeddings, drafter.rows, drafter.vocab, hidden.float(), full)[0]
     finally:
         drafter.head.to(drafter.dtype)
-    return drafter.vocab.ids[(predicted @ drafter.rows.float().T).argmax(-1)][0]
 
 
 def main() -> int:

@@ -228,7 +228,7 @@ class Generator:
 
     def _after_generation(self, max_k: int) -> None:
         notice = self._remember(max_k)
-        if isinstance(notice, str):
+        if notice is not None:
             self.notices.append(notice)
 
     def _plain_decoder(self, stop_at_eos: bool) -> SpeculativeDecoder:
