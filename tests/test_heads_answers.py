@@ -10,7 +10,7 @@ import pytest
 from speccli.commands.train_heads import _fitting, default_text
 from speccli.heads.answers import make_answers, read_answers
 from speccli.heads.corpus import Tokens, build_corpus
-from speccli.heads.instructions import requests
+from speccli.heads.instructions import LANGUAGES, SENTENCES, requests
 
 BENCH_PROMPTS = Path(__file__).resolve().parents[1] / "scripts" / "prompts" / "default.jsonl"
 
@@ -28,6 +28,15 @@ def test_requests_are_the_same_every_time_unique_and_of_every_kind():
     }
     for kind, markers in kinds.items():
         assert sum(any(m in r for m in markers) for r in made) >= 12, kind
+
+
+def test_a_kind_that_runs_out_gives_its_turns_to_the_others():
+    # Translations run out after len(LANGUAGES) x len(SENTENCES) requests; a longer list once
+    # stopped there (352 requests for any larger count).
+    made = requests(500)
+    assert len(made) == len(set(made)) == 500
+    assert made[:352] == requests(352)
+    assert sum(r.startswith("Translate into") for r in made) == len(LANGUAGES) * len(SENTENCES)
 
 
 def test_no_request_is_a_benchmark_prompt():

@@ -72,9 +72,9 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def documented_functions(source: str) -> list[tuple[str, str]]:
-    """(request, answer) pairs from a module: a function's signature and docstring as the
-    request, its source as the answer."""
+def documented_functions(source: str, limit: int | None = None) -> list[tuple[str, str]]:
+    """(request, answer) pairs from a module, the first `limit` of them (default: all): a
+    function's signature and docstring as the request, its source as the answer."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -84,11 +84,15 @@ def documented_functions(source: str) -> list[tuple[str, str]]:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
             continue
         doc = ast.get_docstring(node)
-        code = ast.get_source_segment(source, node)
-        if not doc or not code or len(code) > 3000:
+        if not doc:
+            continue
+        code = ast.get_source_segment(source, node)  # splits the whole source again: only where needed
+        if not code or len(code) > 3000:
             continue
         summary = doc.strip().split("\n\n")[0].replace("\n", " ")
         pairs.append((f"Write a Python function `{node.name}` that does this: {summary}", f"```python\n{code}\n```"))
+        if limit is not None and len(pairs) >= limit:
+            break
     return pairs
 
 
@@ -161,7 +165,7 @@ def _documents(data: Sequence[Path], tokens: Tokens) -> Iterator[list[int]]:
             continue
         yield tokens.text(text)
         if number % FILES_PER_CHAT == 0:
-            for request, answer in documented_functions(text)[:1]:
+            for request, answer in documented_functions(text, limit=1):
                 yield tokens.chat([{"role": "user", "content": request}, {"role": "assistant", "content": answer}])
 
 

@@ -65,6 +65,7 @@ CODE_TASKS = (
     "finds the longest common prefix of a list of strings", "converts a temperature between Celsius and Fahrenheit",
 )
 CODE_LANGUAGES = ("Python", "Python", "Python", "JavaScript", "Bash", "SQL", "Go")
+EXHAUSTED_AFTER = 500  # duplicates in a row after which a kind of request is taken to have no new ones
 
 
 def _chat(rng: random.Random) -> str:
@@ -120,7 +121,7 @@ def _stdlib_requests() -> Iterator[str]:
         text = _read_text(path)
         if not text:
             continue
-        for request, answer in documented_functions(text)[:1]:
+        for request, answer in documented_functions(text, limit=1):
             if number % 2:
                 yield request
             elif len(answer) < 1500:
@@ -128,20 +129,32 @@ def _stdlib_requests() -> Iterator[str]:
 
 
 def requests(count: int, seed: int = 0) -> list[str]:
-    """`count` requests, a mix of every kind, the same list for the same arguments."""
+    """`count` requests, a mix of every kind, the same list for the same arguments (and a
+    longer list begins with a shorter one). A kind whose templates run out of new requests
+    gives its turns to the next kind."""
     rng = random.Random(seed)
     makers = (_chat, _arithmetic, _translation, _code)
     stdlib = _stdlib_requests()
     made: list[str] = []
     seen: set[str] = set()
+    exhausted: set[int] = set()
+    repeats = 0  # duplicates in a row from the kind whose turn it is
     for _ in range(50 * count):  # the templates make far more than are asked for; this only bounds the loop
-        if len(made) >= count:
+        if len(made) >= count or len(exhausted) == len(makers) + 1:
             break
         turn = len(made) % 5
+        while turn in exhausted:
+            turn = (turn + 1) % 5
         text = next(stdlib, None) if turn == 4 else makers[turn](rng)
         if text is None:
             text = _code(rng)
         if text not in seen:
             seen.add(text)
             made.append(text)
+            repeats = 0
+        else:
+            repeats += 1
+            if repeats >= EXHAUSTED_AFTER:
+                exhausted.add(turn)
+                repeats = 0
     return made
