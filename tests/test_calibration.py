@@ -289,3 +289,30 @@ def test_a_calibration_the_passes_show_overstated_is_dropped_and_measured_again(
     pipeline.decoder.costs = slow
     generator.stream([5, 6, 7], SamplingConfig(), SpecConfig(k=2, max_new_tokens=MIN_PASSES * 2)).run()
     assert pipeline.decoder.costs == slow
+
+
+def test_the_check_after_a_generation_reads_the_decoder_that_ran_it(folders, tmp_path, monkeypatch):
+    # bench's make_drafter (and scripts/verify_seed.py) swap in another drafter, so another
+    # decoder: its passes and what it learned are the ones to check and keep.
+    import copy
+
+    from speccli.engine.calibration import MIN_PASSES
+    from speccli.generation.calibration import prior_path, read_prior
+
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
+    slow = CostProfile({n: 10.0 for n in range(1, 10)}, 0.5)
+    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: slow)
+    pipeline = pipeline_for(folders)
+    generator = pipeline.generator()
+    auto = SpecConfig(k="auto", max_new_tokens=MIN_PASSES * 6)
+    generator.calibrate(auto.max_k)
+    generator.use_drafter(copy.copy(pipeline.decoder.drafter))
+    ran = generator.decoder
+    assert ran is not pipeline.decoder and ran.costs == slow
+    generator.stream([5, 6, 7], SamplingConfig(), auto).run()
+    [notice] = generator.take_notices()
+    assert "measured on a busier machine" in notice and ran.costs is None
+    identity = calibration_identity(pipeline, auto.max_k + 1)
+    assert not calibration_path(identity).exists()
+    saved = read_prior(prior_path(calibration_path(identity)), identity)
+    assert saved is not None and saved.steps == ran.learned().steps > 0 and pipeline.decoder.learned() is None

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from speccli.engine.calibration import CostProfile, measure_costs
+from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import ModelDrafter
 from speccli.engine.llamacpp_backend import llama_cpp_version
 from speccli.engine.policy import AcceptancePrior
@@ -102,10 +103,12 @@ def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
         return None
 
 
-def remember(pipeline: Pipeline, max_k: int, cache_dir: Path | None = None) -> AcceptancePrior | None:
-    """Save what the pipeline's decoder learned about the draft's acceptance (with the
-    prior it started from), beside the calibration for `max_k`."""
-    learned = pipeline.decoder.learned()
+def remember(
+    pipeline: Pipeline, max_k: int, cache_dir: Path | None = None, decoder: SpeculativeDecoder | None = None
+) -> AcceptancePrior | None:
+    """Save what `decoder` (default: the pipeline's) learned about the draft's acceptance
+    (with the prior it started from), beside the calibration for `max_k`."""
+    learned = (decoder or pipeline.decoder).learned()
     if learned is None:
         return None
     identity = calibration_identity(pipeline, max_k + 1)
@@ -119,12 +122,15 @@ def remember(pipeline: Pipeline, max_k: int, cache_dir: Path | None = None) -> A
     return learned
 
 
-def drop_if_overstated(pipeline: Pipeline, max_k: int, cache_dir: Path | None = None) -> str | None:
-    """After a generation with `k auto`: when its passes ran well below what the calibration
-    says they cost (it was measured on a busier machine), delete the cached calibration and
-    take it from the decoder, so that the next generation, here or in a later session,
-    measures again. Returns what to tell the user, or None when the calibration holds."""
-    decoder = pipeline.decoder
+def drop_if_overstated(
+    pipeline: Pipeline, max_k: int, cache_dir: Path | None = None, decoder: SpeculativeDecoder | None = None
+) -> str | None:
+    """After a generation with `k auto` by `decoder` (default: the pipeline's): when its passes
+    ran well below what the calibration says they cost (it was measured on a busier machine),
+    delete the cached calibration and take it from the decoder, so that the next generation,
+    here or in a later session, measures again. Returns what to tell the user, or None when
+    the calibration holds."""
+    decoder = decoder or pipeline.decoder
     if decoder.costs is None:
         return None
     found = decoder.pass_times.overstatement(decoder.costs)

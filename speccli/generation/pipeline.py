@@ -62,9 +62,9 @@ class Pipeline:
         from speccli.generation.calibration import calibrate, drop_if_overstated, remember
         from speccli.generation.stream import Generator
 
-        def after_generation(max_k: int) -> str | None:
-            remember(self, max_k)
-            return drop_if_overstated(self, max_k)
+        def after_generation(decoder: SpeculativeDecoder, max_k: int) -> str | None:
+            remember(self, max_k, decoder=decoder)
+            return drop_if_overstated(self, max_k, decoder=decoder)
 
         return Generator(
             self.decoder,

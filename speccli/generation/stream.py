@@ -29,9 +29,10 @@ INTERRUPTED = "interrupted"
 
 # Measures pass costs for `k auto` (or reads them from a cache) for drafts up to max_k.
 Calibrate = Callable[[int], "CostProfile | None"]
-# Keeps what `k auto` learned about the draft (for drafts up to max_k) for the next session;
+# Keeps what `k auto` learned about the draft (given the decoder that ran, and max_k) for the
+# next session;
 # returns a notice for the user, if any (shown after the generation's output, not inside it).
-Remember = Callable[[int], "str | None"]
+Remember = Callable[[SpeculativeDecoder, int], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ class Generator:
     learned about this machine and this draft carries over across prompts and chat turns)
     and the plain decoders over the same target and KV cache. `calibrate` gives `k auto`
     its measured costs (and the acceptance an earlier session learned); `remember`, called
-    after each generation with `k auto`, keeps what it learned for the next session.
+    after each generation with `k auto` with the decoder that ran it, keeps what it learned
+    for the next session.
     """
 
     def __init__(
@@ -223,11 +225,11 @@ class Generator:
         on_end = None
         if adaptive and self._remember is not None:
             max_k = spec.max_k
-            on_end = lambda: self._after_generation(max_k)  # noqa: E731
+            on_end = lambda: self._after_generation(decoder, max_k)  # noqa: E731
         return Generation(ids, decoder.generate(ids, sampling, spec), on_end)
 
-    def _after_generation(self, max_k: int) -> None:
-        notice = self._remember(max_k)
+    def _after_generation(self, decoder: SpeculativeDecoder, max_k: int) -> None:
+        notice = self._remember(decoder, max_k)
         if notice is not None:
             self.notices.append(notice)
 
