@@ -30,8 +30,7 @@ INTERRUPTED = "interrupted"
 # Measures pass costs for `k auto` (or reads them from a cache) for drafts up to max_k.
 Calibrate = Callable[[int], "CostProfile | None"]
 # Keeps what `k auto` learned about the draft (given the decoder that ran, and max_k) for the
-# next session;
-# returns a notice for the user, if any (shown after the generation's output, not inside it).
+# next session; returns a notice for the user, if any (shown after the output, not inside it).
 Remember = Callable[[SpeculativeDecoder, int], "str | None"]
 
 
