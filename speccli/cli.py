@@ -395,6 +395,7 @@ def train(
     answers: Optional[int] = typer.Option(None, "--answers", help="Requests (made offline: code, explanations, chat, arithmetic, translation) the target answers first, greedily, to train on its own answers, which is the text the heads draft in; they come first in the --tokens. Kept in the cache and resumed if cut short. Default: 250 where they are quick: the target in bfloat16 or float16 (transformers answers 32 at a time; about 17 minutes on 2 cores), on CUDA, or a GGUF file llama.cpp can run; else 0 (float32 on a CPU without llama.cpp)."),
     epochs: Optional[float] = typer.Option(None, "--epochs", help="Passes over the training text. Default: 8 with the target's answers and the default text, else 4."),
     heads: int = typer.Option(4, "--heads", help="Medusa: number of heads (head i guesses the token i+1 past the next)."),
+    unroll: Optional[int] = typer.Option(None, "--unroll", help="EAGLE: drafting steps unrolled in training (EAGLE-3's training-time test): step s learns from the features the head itself predicted, as it drafts at depth s, so tokens past the first are guessed better. Each step costs one more pass of the head over the text. Default: 1 (EAGLE-1)."),
     vocab: int = typer.Option(8192, "--vocab", help="Draft vocabulary: the heads propose only the most frequent ids of the text (the output layer is most of a head's cost)."),
     batch: int = typer.Option(8, "--batch", help="Segments of 256 tokens per optimizer step."),
     learning_rate: Optional[float] = typer.Option(None, "--lr", help="Learning rate (default: 3e-3 for medusa, 1e-3 for eagle)."),
@@ -440,7 +441,7 @@ def train(
         name = kind.strip().lower()
         if name not in HEAD_KINDS:
             raise UsageError(f"unknown kind of heads {kind!r}", f"use one of: {', '.join(HEAD_KINDS)}")
-        for number, value in (("--tokens", tokens), ("--heads", heads), ("--vocab", vocab), ("--batch", batch)):
+        for number, value in (("--tokens", tokens), ("--heads", heads), ("--vocab", vocab), ("--batch", batch), ("--unroll", unroll)):
             if value is not None and value < 1:
                 raise UsageError(f"{number} must be at least 1, got {value}")
         if epochs is not None and epochs <= 0:
@@ -453,7 +454,7 @@ def train(
         text_tokens, passes = default_text(asked, own_data=bool(data))
         config = default_config(
             name, heads=heads, vocab=vocab, epochs=epochs or passes, batch_segments=batch,
-            learning_rate=learning_rate, seed=seed, bf16=autocast_bf16(loaded),
+            learning_rate=learning_rate, seed=seed, bf16=autocast_bf16(loaded), eagle_steps=unroll,
         )
         request = TrainRequest(
             config, tokens or text_tokens, tuple(Path(d) for d in data), Path(out) if out else None, answers=asked,

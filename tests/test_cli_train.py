@@ -89,9 +89,13 @@ def test_train_then_draft_with_the_heads(setup):
 def test_train_on_the_targets_own_answers(setup, tmp_path):
     args = ("train", "eagle", "--target", setup["target"], "--answers", "2", "--tokens", "2048", "--epochs", "1",
             "--vocab", "40", *ON_CPU, "--dtype", "float32", "--json")
-    first = specgen(*args, cache=tmp_path)
+    first = specgen(*args, "--unroll", "2", cache=tmp_path)
     assert first.returncode == 0, first.stderr.decode()
     err = first.stderr.decode()
+    trained = json.loads(first.stdout)
+    # Accuracy at three depths, each where the tokens before it were right.
+    assert trained["config"]["eagle_steps"] == 2 and len(trained["accuracy"]) == 3
+    assert "held-out top-1: first token " in err and ", token 3 " in err and "(where the ones before were right)" in err
     answers = tmp_path / "heads" / "target" / "answers.jsonl"
     assert f"the target answers 2 of 2 requests (through transformers; kept in {answers})" in err
     assert json.loads(first.stdout)["data"].startswith("2 of the target's own answers, then")
@@ -112,6 +116,8 @@ def test_train_on_the_targets_own_answers(setup, tmp_path):
     assert record["config"]["epochs"] == 8.0 and record["tokens"] + record["held_out_tokens"] == 2 * 256
     bad = specgen("train", "eagle", "--target", setup["target"], "--answers", "-1", cache=tmp_path)
     assert bad.returncode == 2 and "--answers must be 0 or more, got -1" in bad.stderr.decode()
+    bad = specgen("train", "eagle", "--target", setup["target"], "--unroll", "0", cache=tmp_path)
+    assert bad.returncode == 2 and "--unroll must be at least 1, got 0" in bad.stderr.decode()
 
 
 def test_missing_heads_and_bad_kind_exit_2(setup, tmp_path):

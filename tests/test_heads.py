@@ -142,12 +142,50 @@ def test_features_are_the_targets_and_resume_from_disk(trained, tmp_path):
     assert len(calls) == 3  # three shards read back, no segment computed again
 
 
+def test_unrolled_training_feeds_each_depth_what_decoding_feeds_it(trained):
+    """Training-time test: the step-s prediction at position t equals the head run as the
+    drafter runs it, over a cache of real entries up to t - s + 1, then its s - 1 drafted
+    ancestors, each fed the feature the one before it predicted."""
+    from speccli.heads.train import eagle_unrolled
+
+    tokenizer, target, corpus, features, results = trained
+    head = results["eagle"].module.eval()
+    embeddings = target.get_input_embeddings()
+    real = features.features[:2, :24].float()
+    tokens = features.tokens[:2, :24]
+    with torch.no_grad():
+        unrolled = eagle_unrolled(head, embeddings, real, tokens, 3)
+        assert torch.allclose(unrolled[0], eagle_unrolled(head, embeddings, real, tokens, 1)[0], atol=1e-5)
+        for b, t, steps in ((0, 9, 2), (1, 15, 3), (0, 20, 3), (1, 2, 2)):
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=head.body.config)
+            first = t - steps + 1  # the last real entry the chain sees
+            embedded = embeddings(tokens[b : b + 1, 1 : first + 2]).float()
+            feature = head(real[b : b + 1, : first + 1], embedded, torch.arange(first + 1)[None], cache=cache)[0, -1]
+            for depth in range(2, steps + 1):
+                position = first + depth - 1
+                embedded = embeddings(tokens[b : b + 1, position + 1 : position + 2]).float()
+                feature = head(feature[None, None], embedded, torch.tensor([[position]]), cache=cache)[0, -1]
+            torch.testing.assert_close(unrolled[steps - 1][b, t], feature, atol=1e-4, rtol=1e-4)
+
+
+def test_chain_hits_count_a_depth_only_where_the_guesses_before_it_were_right():
+    from speccli.heads.train import chain_hits
+
+    labels = torch.tensor([[1, 2, 3, 4, 5]])
+    first = torch.tensor([[1, 2, 0, 4, 5]])  # wrong at t = 2
+    second = torch.tensor([[9, 2, 3, 4, 0]])  # its chain at t reads first's guess at t - 1
+    # Depth 2 has chances at t = 1, 2, 4 (a right first at t - 1) and hits at 1 and 2; t = 3's hit does not count.
+    assert chain_hits([first, second], labels) == [(4, 5), (2, 3)]
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_training_lowers_the_loss_and_measures_held_out_accuracy(trained, kind):
     trainer = trained[4][kind]
     assert trainer.losses[-1] < 0.8 * trainer.losses[0], trainer.losses
     accuracy = trainer.accuracy()
-    assert len(accuracy) == (3 if kind == "medusa" else 1)
+    assert len(accuracy) == 3  # Medusa: per head; EAGLE: per depth
     assert all(0.0 <= a <= 1.0 for a in accuracy)
     # Far better than the heads it started from (Medusa: the target's own next-token
     # guess standing in for the token after it; EAGLE: the target's top layer).

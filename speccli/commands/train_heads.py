@@ -276,7 +276,8 @@ def accuracy_line(kind: str, accuracy: Sequence[float]) -> str:
     if not accuracy:
         return "held-out top-1: no held-out text"
     if kind == "eagle":
-        return f"held-out top-1: first token {100 * accuracy[0]:.1f}%"
+        deeper = "".join(f", token {d + 1} {100 * a:.1f}%" for d, a in enumerate(accuracy[1:], start=1))
+        return f"held-out top-1: first token {100 * accuracy[0]:.1f}%" + (f"{deeper} (where the ones before were right)" if deeper else "")
     return "held-out top-1: " + ", ".join(f"head {i + 1} {100 * a:.1f}%" for i, a in enumerate(accuracy))
 
 

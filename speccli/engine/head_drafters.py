@@ -22,7 +22,7 @@ from speccli.engine.coupling import Noise
 from speccli.engine.drafters import Draft, draw
 from speccli.engine.tree import ROOT, TokenTree, TreeShape
 from speccli.engine.tree_drafters import feed_window, grow_tree
-from speccli.heads.eagle import EagleHead
+from speccli.heads.eagle import EagleHead, additive_mask
 from speccli.heads.medusa import MedusaHeads
 from speccli.heads.vocab import DraftVocab
 
@@ -326,8 +326,7 @@ class _EagleSource:
         real = drafter._real
         # Every real entry, then the drafted ones as feed_window says.
         seen = torch.cat([torch.ones((len(nodes), real), dtype=torch.bool), feed_window(self.window, nodes, parents)], dim=1)
-        hidden = torch.finfo(drafter.dtype).min
-        mask = torch.zeros(seen.shape, dtype=drafter.dtype).masked_fill_(~seen, hidden)[None, None].to(drafter.device)
+        mask = additive_mask(seen, drafter.dtype).to(drafter.device)
         if drafter._cache is None:
             drafter._cache = drafter._new_cache()
         features = torch.stack([self.features[parents[node]] for node in nodes])

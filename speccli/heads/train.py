@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speccli.heads.eagle import EagleHead
+from speccli.heads.eagle import EagleHead, additive_mask
 from speccli.heads.features import Features
 from speccli.heads.medusa import MedusaHeads
 from speccli.heads.store import Heads
@@ -25,6 +25,8 @@ CHECKPOINT_SECONDS = 60.0
 MEDUSA_DECAY = 0.8  # head i's loss weighs 0.8^i (Medusa-1)
 EAGLE_CLASSIFICATION_WEIGHT = 0.1  # EAGLE-1: L = L_reg + 0.1 L_cls
 EAGLE_NOISE = 0.1  # uniform noise on input features, as a share of their RMS (EAGLE-1 adds U(-0.1, 0.1))
+EAGLE_MEASURED_DEPTHS = 3  # held-out accuracy of EAGLE's first three drafted tokens
+EAGLE_DEEPER_WEIGHT = 1.0  # loss weight of each unrolled step past the first (training-time test)
 WARMUP_STEPS = 20
 
 
@@ -39,6 +41,7 @@ class TrainConfig:
     learning_rate: float = 1e-3
     seed: int = 0
     bf16: bool = False  # autocast the head's matmuls to bfloat16 (CPUs with native bf16, GPUs)
+    eagle_steps: int = 1  # EAGLE: drafting steps unrolled in training (training-time test, EAGLE-3)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -166,7 +169,9 @@ class Trainer:
             return medusa_loss(self.module, features, labels)
         noise = torch.rand(features[:, :-1].shape, generator=torch.Generator().manual_seed(step)) * 2 - 1
         tokens = self.train_set.tokens[batch]
-        return eagle_loss(self.module, self.embeddings, self.rows, features, tokens, labels, self.rms, noise * EAGLE_NOISE * self.rms)
+        return eagle_loss(
+            self.module, self.embeddings, self.rows, features, tokens, labels, self.rms, noise * EAGLE_NOISE * self.rms, self.config.eagle_steps
+        )
 
     def run(self) -> None:
         """Train up to the configured steps; a checkpoint every CHECKPOINT_SECONDS and on Ctrl-C."""
@@ -205,7 +210,8 @@ class Trainer:
     @torch.no_grad()
     def accuracy(self) -> list[float]:
         """Held-out top-1: Medusa head i against the target's token i + 1 places past its
-        own next one; EAGLE's first drafted token (from the target's true features)."""
+        own next one; EAGLE's drafted token at depth d where the d - 1 before it were
+        right (the first from the target's true features, as in decoding)."""
         self.module.eval()
         data = self.held_out
         if len(data) == 0:
@@ -223,10 +229,11 @@ class Trainer:
                         guess = self.vocab.ids[logits[i, :, :-shift].argmax(-1)]
                         _add(hits, totals, i, (guess == labels[:, shift:]).sum().item(), guess.numel())
                 else:
-                    guess = eagle_first_guesses(self.module, self.embeddings, self.rows, self.vocab, features, data.tokens[part])
-                    _add(hits, totals, 0, (guess == labels[:, 1:]).sum().item(), guess.numel())
+                    guesses = eagle_guesses(self.module, self.embeddings, self.rows, self.vocab, features, data.tokens[part], EAGLE_MEASURED_DEPTHS)
+                    for depth, (hit, total) in enumerate(chain_hits(guesses, labels[:, 1:])):
+                        _add(hits, totals, depth, hit, total)
         self.module.train()
-        return [h / t for h, t in zip(hits, totals)]
+        return [h / t for h, t in zip(hits, totals) if t]
 
     def heads(self, target_identity: dict, training: dict) -> Heads:
         shape = {"heads": self.config.heads, "layers": self.config.layers} if self.config.kind == "medusa" else {}
@@ -261,21 +268,80 @@ def medusa_loss(module: MedusaHeads, features: torch.Tensor, labels: torch.Tenso
 def eagle_forward(head: EagleHead, embeddings: nn.Module, features: torch.Tensor, tokens: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
     """Teacher forcing: from (feature t, embedding of token t + 1) for t < T - 1, the
     predicted features of positions 1 .. T - 1 [B, T - 1, hidden]."""
+    return eagle_unrolled(head, embeddings, features, tokens, 1, noise)[0]
+
+
+def unrolled_attention(length: int, steps: int) -> torch.Tensor:
+    """What each entry of `steps` unrolled drafting steps sees, as bool [steps * length,
+    steps * length] (True: attends). Entry (s, t), s from 1, stands for the token drafted at
+    depth s whose ancestors were right: like a tree node in decoding it sees the entries fed
+    real features up to position t - s + 1 and its ancestors, (j, t - s + j) for 1 < j <= s."""
+    step = torch.arange(steps).repeat_interleave(length)[:, None] + 1  # s of each row
+    position = torch.arange(length).repeat(steps)[:, None]  # t of each row
+    key_step, key_position = step.T, position.T
+    real = (key_step == 1) & (key_position <= position - step + 1)
+    ancestor = (key_step > 1) & (key_step <= step) & (key_position == position - step + key_step)
+    return real | ancestor
+
+
+def eagle_unrolled(
+    head: EagleHead, embeddings: nn.Module, features: torch.Tensor, tokens: torch.Tensor, steps: int, noise: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Teacher forcing unrolled over `steps` drafting steps (EAGLE-3's training-time test):
+    step 1 reads (feature t, embedding of token t + 1), as `eagle_forward`; step s reads
+    the feature step s - 1 predicted for position t instead, as decoding at depth s does.
+    Returns each step's predicted features of positions 1 .. T - 1 [B, T - 1, hidden]; step
+    s's first s - 1 have no such input and are not meaningful. Each step is one pass of the
+    head over T - 1 entries, attending to the earlier steps' entries through a cache."""
+    from transformers import DynamicCache
+
+    length = features.shape[1] - 1
     inputs = features[:, :-1] if noise is None else features[:, :-1] + noise
     with torch.no_grad():
         embedded = embeddings(tokens[:, 1:].to(embeddings.weight.device)).float()
-    positions = torch.arange(features.shape[1] - 1).expand(features.shape[0], -1)
-    return head(inputs, embedded, positions)
+    positions = torch.arange(length).expand(features.shape[0], -1)
+    if steps == 1:
+        return [head(inputs, embedded, positions)]
+    cache = DynamicCache(config=head.body.config)
+    outputs = [head(inputs, embedded, positions, cache=cache)]
+    seen = unrolled_attention(length, steps)
+    for step in range(2, steps + 1):
+        # Step s at t reads what step s - 1 predicted at t - 1 (position 0 keeps its own input: not scored).
+        fed = torch.cat([inputs[:, :1], outputs[-1][:, :-1]], dim=1)
+        rows = seen[(step - 1) * length : step * length, : step * length]
+        outputs.append(head(fed, embedded, positions, cache=cache, attention_mask=additive_mask(rows, inputs.dtype)))
+    return outputs
+
+
+def eagle_guesses(
+    head: EagleHead, embeddings: nn.Module, rows: torch.Tensor, vocab: DraftVocab, features: torch.Tensor, tokens: torch.Tensor, depths: int = 1
+) -> list[torch.Tensor]:
+    """Teacher forcing: the head's drafted tokens (target ids) for positions 2 .. T [B, T - 1],
+    at each depth up to `depths` (eagle_unrolled), from the target's true features and
+    tokens; `rows` are the target's output rows for the draft vocabulary."""
+    return [vocab.ids[(out.float() @ rows.float().T).argmax(-1)] for out in eagle_unrolled(head, embeddings, features, tokens, depths)]
 
 
 def eagle_first_guesses(
     head: EagleHead, embeddings: nn.Module, rows: torch.Tensor, vocab: DraftVocab, features: torch.Tensor, tokens: torch.Tensor
 ) -> torch.Tensor:
-    """Teacher forcing: the head's first drafted token (a target id) for positions 2 .. T
-    [B, T - 1], from the target's true features and tokens; `rows` are the target's output
-    rows for the draft vocabulary. What held-out accuracy is measured on."""
-    predicted = eagle_forward(head, embeddings, features, tokens)
-    return vocab.ids[(predicted.float() @ rows.float().T).argmax(-1)]
+    """The first drafted tokens (eagle_guesses at depth 1)."""
+    return eagle_guesses(head, embeddings, rows, vocab, features, tokens)[0]
+
+
+def chain_hits(guesses: list[torch.Tensor], labels: torch.Tensor) -> list[tuple[int, int]]:
+    """(hits, chances) per depth: the guess at depth d for position t (guesses[d - 1][:, t])
+    counts where the d - 1 guesses of its chain, (j, t - d + j), were all right."""
+    right = [guess == labels for guess in guesses]
+    result = []
+    for depth, hit in enumerate(right, start=1):
+        chance = torch.ones_like(hit)
+        chance[:, : depth - 1] = False
+        for j in range(1, depth):
+            shift = depth - j
+            chance[:, shift:] &= right[j - 1][:, :-shift] if shift else right[j - 1]
+        result.append((int((hit & chance).sum()), int(chance.sum())))
+    return result
 
 
 def eagle_loss(
@@ -287,12 +353,18 @@ def eagle_loss(
     labels: torch.Tensor,
     rms: float,
     noise: torch.Tensor | None = None,
+    steps: int = 1,
 ) -> torch.Tensor:
     """EAGLE-1: smooth L1 between predicted and true features (in units of their RMS) plus
-    EAGLE_CLASSIFICATION_WEIGHT x cross-entropy of the token the target would say next."""
-    predicted = eagle_forward(head, embeddings, features, tokens, noise)
-    regression = F.smooth_l1_loss(predicted.float() / rms, features[:, 1:] / rms)
-    scores = (predicted @ rows.T.to(predicted.dtype)).float().reshape(-1, rows.shape[0])
-    targets = labels[:, 1:].reshape(-1)
-    classification = F.cross_entropy(scores, targets, ignore_index=IGNORE) if (targets != IGNORE).any() else scores.sum() * 0
-    return regression + EAGLE_CLASSIFICATION_WEIGHT * classification
+    EAGLE_CLASSIFICATION_WEIGHT x cross-entropy of the token the target would say next;
+    with `steps` > 1, the same for each unrolled step (EAGLE_DEEPER_WEIGHT each)."""
+    total = features.new_zeros((), dtype=torch.float32)
+    for index, predicted in enumerate(eagle_unrolled(head, embeddings, features, tokens, steps, noise)):
+        scored = slice(index, None)  # step s's first s - 1 positions had no input of their own
+        predicted = predicted[:, scored]
+        regression = F.smooth_l1_loss(predicted.float() / rms, features[:, 1:][:, scored] / rms)
+        scores = (predicted @ rows.T.to(predicted.dtype)).float().reshape(-1, rows.shape[0])
+        targets = labels[:, 1:][:, scored].reshape(-1)
+        classification = F.cross_entropy(scores, targets, ignore_index=IGNORE) if (targets != IGNORE).any() else scores.sum() * 0
+        total = total + (1.0 if index == 0 else EAGLE_DEEPER_WEIGHT) * (regression + EAGLE_CLASSIFICATION_WEIGHT * classification)
+    return total
