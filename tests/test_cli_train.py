@@ -114,6 +114,7 @@ def test_train_on_the_targets_own_answers(setup, tmp_path):
     default = specgen(*args[:6], "--vocab", "40", *ON_CPU, "--dtype", "float32", "--json", cache=tmp_path)
     record = json.loads(default.stdout)
     assert record["config"]["epochs"] == 8.0 and record["tokens"] + record["held_out_tokens"] == 2 * 256
+    assert record["config"]["eagle_steps"] == 3  # EAGLE_UNROLL
     bad = specgen("train", "eagle", "--target", setup["target"], "--answers", "-1", cache=tmp_path)
     assert bad.returncode == 2 and "--answers must be 0 or more, got -1" in bad.stderr.decode()
     bad = specgen("train", "eagle", "--target", setup["target"], "--unroll", "0", cache=tmp_path)

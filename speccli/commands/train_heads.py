@@ -281,8 +281,15 @@ def accuracy_line(kind: str, accuracy: Sequence[float]) -> str:
     return "held-out top-1: " + ", ".join(f"head {i + 1} {100 * a:.1f}%" for i, a in enumerate(accuracy))
 
 
+# EAGLE's drafting steps unrolled in training. On the default target, 250 answers, 8 epochs (2-core AMD EPYC,
+# bf16): held-out top-1 at depths 1/2/3 64.2/50.9/48.4% with 1 step, 63.5/70.0/67.9% with 2, 61.9/69.4/76.5%
+# with 3; tree drafts 1.87, 1.91, 2.00 tokens per step on the code prompts; training 307, 617, 899 s.
+EAGLE_UNROLL = 3
+
+
 def default_config(kind: str, **overrides: Any) -> TrainConfig:
     # Tried on the default target and corpus here: 1e-3 (medusa) and 3e-4 (eagle) learned too slowly in 2-8 epochs.
     rate = 3e-3 if kind == "medusa" else 1e-3
-    values = {"kind": kind, "learning_rate": rate, **{k: v for k, v in overrides.items() if v is not None}}
+    unroll = EAGLE_UNROLL if kind == "eagle" else 1
+    values = {"kind": kind, "learning_rate": rate, "eagle_steps": unroll, **{k: v for k, v in overrides.items() if v is not None}}
     return TrainConfig(**values)
