@@ -265,12 +265,6 @@ def medusa_loss(module: MedusaHeads, features: torch.Tensor, labels: torch.Tenso
     return total
 
 
-def eagle_forward(head: EagleHead, embeddings: nn.Module, features: torch.Tensor, tokens: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """Teacher forcing: from (feature t, embedding of token t + 1) for t < T - 1, the
-    predicted features of positions 1 .. T - 1 [B, T - 1, hidden]."""
-    return eagle_unrolled(head, embeddings, features, tokens, 1, noise)[0]
-
-
 def unrolled_attention(length: int, steps: int) -> torch.Tensor:
     """What each entry of `steps` unrolled drafting steps sees, as bool [steps * length,
     steps * length] (True: attends). Entry (s, t), s from 1, stands for the token drafted at
@@ -288,7 +282,7 @@ def eagle_unrolled(
     head: EagleHead, embeddings: nn.Module, features: torch.Tensor, tokens: torch.Tensor, steps: int, noise: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
     """Teacher forcing unrolled over `steps` drafting steps (EAGLE-3's training-time test):
-    step 1 reads (feature t, embedding of token t + 1), as `eagle_forward`; step s reads
+    step 1 reads (feature t, embedding of token t + 1) for t < T - 1; step s reads
     the feature step s - 1 predicted for position t instead, as decoding at depth s does.
     Returns each step's predicted features of positions 1 .. T - 1 [B, T - 1, hidden]; step
     s's first s - 1 have no such input and are not meaningful. Each step is one pass of the
@@ -339,7 +333,7 @@ def chain_hits(guesses: list[torch.Tensor], labels: torch.Tensor) -> list[tuple[
         chance[:, : depth - 1] = False
         for j in range(1, depth):
             shift = depth - j
-            chance[:, shift:] &= right[j - 1][:, :-shift] if shift else right[j - 1]
+            chance[:, shift:] &= right[j - 1][:, :-shift]
         result.append((int((hit & chance).sum()), int(chance.sum())))
     return result
 
