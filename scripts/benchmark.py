@@ -54,6 +54,7 @@ from speccli.commands.bench_runner import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
+from speccli.engine.head_drafters import HeadPasses
 from speccli.engine.lookahead import LookaheadDrafter
 from speccli.generation.calibration import describe
 from speccli.generation.pipeline import backend_label, causal_lm, head_drafter, model_drafter
@@ -160,7 +161,9 @@ class Bench:
         plain = method == "specgen-plain"
         drafter = None if plain else generator.drafter
         spec = SpecConfig(k=self.k, max_new_tokens=max_new, tree=method in TREE_METHODS)
+        # The target's passes and the drafter's own: a draft model's backend, or the heads' (HeadPasses).
         models = [self.target_lm] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
+        models += [drafter] if isinstance(drafter, HeadPasses) else []
         forward_before = sum(m.forward_seconds for m in models)
         started = time.perf_counter()
         with torch.inference_mode():

@@ -335,6 +335,23 @@ def test_every_tree_step_has_the_features_it_needs(trained, kind):
     assert len(steps) > 3 and all(e.tree and e.fed > 1 for e in steps[:-1]), [(e.fed, e.accepted) for e in steps]
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_head_drafters_count_the_seconds_of_their_own_passes(trained, kind):
+    """The heads' passes are drafting work, as a draft model's backend passes are: the
+    benchmark's time outside forward passes must not count them."""
+    tokenizer, target = trained[0], trained[1]
+    drafter = trained_drafter(trained, kind)
+    decoder = SpeculativeDecoder(wrap(target), tokenizer, [EOS], drafter)
+    ids = encode(tokenizer, CODE_PROMPTS[0])
+    list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=0, max_new_tokens=8)))
+    assert drafter.forward_seconds == 0.0  # nothing drafted, no pass of the heads
+    list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=3, max_new_tokens=16)))
+    chains = drafter.forward_seconds
+    assert chains > 0.0
+    list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=3, max_new_tokens=16, tree=True)))
+    assert drafter.forward_seconds > chains
+
+
 def test_eagle_state_after_steps_equals_a_fresh_start(pairs, tokenizer):
     """The draft's cache after rollbacks and real features is what a fresh drafter builds
     from the same context: same draft, same q."""

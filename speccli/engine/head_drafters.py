@@ -11,6 +11,7 @@ turns into the logits of token p + 1.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Protocol, Sequence
 
@@ -42,7 +43,21 @@ class FeatureDrafter(Protocol):
         ...
 
 
-class MedusaDrafter:
+class HeadPasses:
+    """The seconds a drafter spends in its heads' own passes, kept in `forward_seconds` as the
+    backends keep theirs, so that time outside forward passes means bookkeeping only."""
+
+    forward_seconds = 0.0
+
+    def _pass(self, function, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self.forward_seconds += time.perf_counter() - started
+
+
+class MedusaDrafter(HeadPasses):
     """Head i of a Medusa set proposes the token i + 1 places past the pending one, from the
     feature of the last settled position: one small pass for the whole draft."""
 
@@ -81,7 +96,7 @@ class MedusaDrafter:
         if k <= 0 or self._feature is None or self._position != len(context) - 2:
             return Draft([])
         with torch.inference_mode():
-            logits = self.heads(self._feature.to(self.dtype))[: min(k, self.heads.heads)]
+            logits = self._pass(self.heads, self._feature.to(self.dtype))[: min(k, self.heads.heads)]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i, row in enumerate(logits):
@@ -108,7 +123,7 @@ class MedusaDrafter:
         if self._feature is None or self._position != len(context) - 2:
             return TokenTree([], [])
         with torch.inference_mode():
-            rows = [self.vocab.to_target(row) for row in self.heads(self._feature.to(self.dtype))]
+            rows = [self.vocab.to_target(row) for row in self._pass(self.heads, self._feature.to(self.dtype))]
         shape = replace(shape, max_depth=min(shape.max_depth, len(rows)))
         source = _FixedRows(rows)
         return grow_tree(source, context, shape, sampling, generator, noise)[0]
@@ -137,7 +152,7 @@ class _FixedRows:
         return [self.rows[depth]] * len(nodes)
 
 
-class EagleDrafter:
+class EagleDrafter(HeadPasses):
     """The EAGLE head drafts token by token: fed (feature of p, embedding of token p + 1) at
     position p it predicts the feature of p + 1, whose logits (through the target's output
     rows for the draft vocabulary) give the token after it. Real features fill its cache as
@@ -228,7 +243,7 @@ class EagleDrafter:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         embeds = self.embeddings(ids).to(self.dtype)
         positions = torch.arange(first, first + len(tokens), device=self.device)[None]
-        out = self.head(features[None], embeds, positions, cache=self._cache)
+        out = self._pass(self.head, features[None], embeds, positions, cache=self._cache)
         self._entries += len(tokens)
         return out[0]
 
@@ -298,7 +313,7 @@ class EagleDrafter:
             return grow_tree(_EagleSource(self, feature), context, shape, sampling, generator, noise)[0]
 
     def _logits(self, feature: torch.Tensor) -> torch.Tensor:
-        return self.vocab.to_target(feature @ self.rows.T)
+        return self.vocab.to_target(self._pass(torch.matmul, feature, self.rows.T))
 
     def rollback(self, length: int) -> None:
         if self._real > length - 1:
@@ -334,7 +349,7 @@ class _EagleSource:
         embeds = drafter.embeddings(ids).to(drafter.dtype)
         # Node at depth d reads the feature of position (pending + d - 1).
         positions = torch.full((1, len(nodes)), real + depth - 1, dtype=torch.long, device=drafter.device)
-        out = drafter.head(features[None], embeds, positions, cache=drafter._cache, attention_mask=mask)[0]
+        out = drafter._pass(drafter.head, features[None], embeds, positions, cache=drafter._cache, attention_mask=mask)[0]
         drafter._entries += len(nodes)
         for node, feature in zip(nodes, out):
             self.features[node] = feature
