@@ -4,8 +4,9 @@ decides how long drafts, how wide trees and how large lookahead windows pay.
     python scripts/pass_costs.py --model qwen2.5-coder-1.5b --dtypes bfloat16,float32 \
         --sizes 1,2,3,4,6,8,12,16,17,24,32,48,64
 
-Each size is timed on top of 64 cached tokens, the fastest of --repeats rounds (each round
-over every size in turn, the other way round each time, after a warm-up round), as specgen's
+Each size is timed on top of 64 cached tokens, right after a one-token pass, in --repeats
+rounds (each round over every size in turn, the other way round each time, after a warm-up
+round): its median ratio to that pass times the fastest one-token pass, as specgen's
 calibration does. Prints one
 table row per dtype in milliseconds and as a multiple of a one-token pass; --json-out keeps
 the figures with the CPU and library versions.

@@ -36,21 +36,43 @@ def test_measure_costs_without_a_draft_model(pairs):
     assert sorted(costs.verify_seconds) == [1, 2] and costs.draft_seconds is None
 
 
-def test_measure_costs_keeps_the_fastest_round_and_alternates_the_order(pairs, monkeypatch):
+def test_measure_costs_times_each_size_beside_a_one_token_pass_and_alternates_the_order(pairs, monkeypatch):
     from speccli.engine import calibration
 
     order: list[int] = []
-    spells = {(1, 4), (2, 4), (3, 1)}  # (round, size) that a noisy spell slowed down
+    # A spell that slows the machine down for a moment slows both passes of a pair: the
+    # four-token passes of rounds 1 and 2 and the one-token passes just before them (calls
+    # 4-5 and 8-9, counting from 1) run 1.5x slower.
+    slowed = {4, 5, 8, 9}
 
     def timed(model, settled, tokens):
-        size, round_index = len(tokens), order.count(len(tokens))
-        order.append(size)
-        return (0.1 + 0.01 * size) * (3 if (round_index, size) in spells else 1)
+        order.append(len(tokens))
+        return (0.1 + 0.01 * len(tokens)) * (1.5 if len(order) in slowed else 1)
 
     monkeypatch.setattr(calibration, "_seconds", timed)
     costs = measure_costs(wrap(pairs[0].target), None, max_fed=4, repeats=3, context_tokens=4, sizes=[1, 4])
-    assert order == [1, 4, 4, 1, 1, 4, 4, 1]  # a warm-up round, then three, each the other way round
-    assert costs.verify_seconds == pytest.approx({1: 0.11, 4: 0.14})  # spoiled in two of three rounds: still 0.14
+    # A warm-up round, then three, each the other way round; every size right after one token.
+    assert order == [1, 1, 4] + [1, 4, 1] + [1, 1, 4] + [1, 4, 1]
+    assert costs.verify_seconds == pytest.approx({1: 0.11, 4: 0.14})  # the ratio of each pair: 0.14 / 0.11
+
+
+def test_measure_costs_takes_the_curve_from_pairs_not_from_moments_that_never_met(pairs, monkeypatch):
+    from speccli.engine import calibration
+
+    # Calls in order, sizes [1, 4]: round 0 (warm-up) 1 | 1 4; round 1: 1 4 | 1; round 2: 1 | 1 4;
+    # round 3: 1 4 | 1. The machine is quiet only for the lone one-token passes of rounds 1 and 3
+    # (calls 5 and 11) and 1.5x slower for everything else: the fastest of each size taken alone
+    # would say four tokens cost 3x one; every pair says 2x.
+    calls: list[int] = []
+
+    def timed(model, settled, tokens):
+        calls.append(len(tokens))
+        return {1: 0.1, 4: 0.2}[len(tokens)] * (1.0 if len(calls) - 1 in (5, 11) else 1.5)
+
+    monkeypatch.setattr(calibration, "_seconds", timed)
+    costs = measure_costs(wrap(pairs[0].target), None, max_fed=4, repeats=3, context_tokens=4, sizes=[1, 4])
+    assert calls == [1, 1, 4, 1, 4, 1, 1, 1, 4, 1, 4, 1]
+    assert costs.verify_seconds == pytest.approx({1: 0.1, 4: 0.2})
 
 
 def test_measure_costs_over_chosen_sizes(pairs):
@@ -84,7 +106,7 @@ def test_measure_costs_waits_for_each_cuda_pass_before_reading_the_clock(pairs, 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append(f"wait {device}"))
     measure_costs(AsyncDevice(wrap(pairs[0].target), log), None, max_fed=2, repeats=1, context_tokens=4)
     timed = log[1:]  # after the untimed prefill of the context
-    assert timed == ["forward", "wait cuda:0"] * 4  # 2 sizes x (1 warm-up + 1 repeat)
+    assert timed == ["forward", "wait cuda:0"] * 6  # (1 + (1 + 2)) passes x (1 warm-up + 1 repeat)
 
 
 def test_cost_profile_round_trips_and_refuses_nonsense():

@@ -148,14 +148,19 @@ def measure_costs(
     sizes: Sequence[int] | None = None,
 ) -> CostProfile:
     """Time target passes over 1..max_fed new tokens (or over `sizes`, each at most max_fed)
-    and a one-token draft pass, each on top of `context_tokens` cached tokens: the fastest of
-    `repeats` rounds, after a round that warms the kernels for each shape. Each round times
-    every size in turn, in the opposite order to the round before, so that a spell of noise on
-    a shared machine spoils one round of some sizes, not every measurement of one, nor the
-    same sizes every round. The fastest, not the median: noise only ever adds time, and a
-    spell that spoils two of three rounds of the larger sizes (seen: 16 tokens at 1.3-1.4x a
-    one-token pass against 1.1x in quiet rounds) made lookahead choose a window half as wide
-    as the one that pays. Both caches are empty afterwards."""
+    and a one-token draft pass, each on top of `context_tokens` cached tokens, in `repeats`
+    rounds after a round that warms the kernels for each shape. Both caches are empty afterwards.
+
+    Each size is timed right after a one-token pass, and what it costs is its median ratio
+    to that pass over the rounds, times the fastest one-token pass: the curve's shape from
+    pairs measured a moment apart, its level from the quietest moment. A shared VM's speed
+    drifts by half within seconds, and more for one token than for many (seen on a 2-core
+    AMD EPYC: one-token passes 210 -> 320 ms while 17-token ones went 480 -> 510), so the
+    fastest round of each size taken alone paired moments that never met: a float32
+    calibration put 17 tokens at 1.69x one token where pairs said 2.09x, and lookahead
+    chose a 17-token window that ran at 0.90x plain decoding. Each round times the sizes
+    in the opposite order to the round before, so a spell spoils some sizes of one round,
+    not every measurement of one."""
     if max_fed < 1 or repeats < 1:
         raise ValueError(f"need max_fed >= 1 and repeats >= 1, got {max_fed}, {repeats}")
     sizes = range(1, max_fed + 1) if sizes is None else sorted(set(sizes))
@@ -166,11 +171,17 @@ def measure_costs(
     try:
         target.rollback(0)
         target.forward(prompt, all_logits=False)
-        timed: dict[int, list[float]] = {fed: [] for fed in sizes}
+        singles: list[float] = []
+        ratios: dict[int, list[float]] = {fed: [] for fed in sizes}
         for round_index in range(repeats + 1):
             for fed in sizes if round_index % 2 == 0 else reversed(sizes):
-                timed[fed].append(_seconds(target, len(prompt), fed_tokens[:fed]))
-        verify = {fed: min(times[1:]) for fed, times in timed.items()}
+                single = _seconds(target, len(prompt), fed_tokens[:1])
+                seconds = single if fed == 1 else _seconds(target, len(prompt), fed_tokens[:fed])
+                if round_index > 0:  # the first round only warms up
+                    singles.append(single)
+                    ratios[fed].append(seconds / single)
+        fastest = min(singles)
+        verify = {fed: fastest * statistics.median(ratios[fed]) for fed in sizes}
         draft_seconds = None
         if draft is not None:
             # The draft's own ids: the target may know ids the draft's embedding has no row for.

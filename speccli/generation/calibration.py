@@ -27,7 +27,7 @@ from speccli.models import offline
 from speccli.models.loading import LoadedModel, cpu_name, dtype_name
 from speccli.generation.pipeline import Pipeline
 
-FORMAT = 2  # 2: the fastest of the rounds (1: their median)
+FORMAT = 3  # 3: each size's median ratio to a one-token pass timed just before it (2: the fastest round; 1: the median)
 
 
 def _model_identity(model: LoadedModel) -> dict[str, str]:
