@@ -207,7 +207,51 @@ def test_lookahead_equals_target_greedy(pairs, tokenizer, pair_index, k):
     assert accepted > 0
 
 
-def test_lookahead_falls_back_to_plain_decoding_where_no_shape_pays(pairs, tokenizer):
+def step_record(events) -> list[tuple[int, int, int, bool]]:
+    return [(e.fed, e.drafted, e.accepted, e.tree) for e in events if isinstance(e, StepEvent)]
+
+
+def virtual_clock(decoder: SpeculativeDecoder, seconds: dict[int, float]) -> None:
+    """The decoder's clock advances by `seconds` of each pass the target makes, and only
+    then: k auto's choices follow the steps alone, the same in every run."""
+    now = [0.0]
+    target = decoder.target
+    for name in ("forward", "forward_tree"):
+        def timed(tokens, *args, _real=getattr(target, name), **kwargs):
+            now[0] += seconds[min(len(tokens), max(seconds))]
+            return _real(tokens, *args, **kwargs)
+
+        setattr(target, name, timed)
+    decoder._clock = lambda: now[0]
+
+
+def test_where_no_shape_pays_lookahead_makes_the_passes_prompt_lookup_makes(pairs, tokenizer):
+    from speccli.engine.drafters import PromptLookupDrafter
+    from speccli.engine.policy import AdaptiveDraftLength
+    from test_decoder_greedy import target_greedy
+
+    # Passes over 2-17 tokens cost 1.6x one: no lookahead shape pays, drafts that come true do.
+    costs = CostProfile({1: 0.1, **{fed: 0.16 for fed in range(2, 18)}}, None)
+    assert choose_shape(costs.verify_seconds) is None
+    pair = pairs[0]
+    decoders = {}
+    for name, drafter in (("lookahead", LookaheadDrafter()), ("ngram", PromptLookupDrafter())):
+        decoders[name] = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], drafter)
+        decoders[name].costs = costs
+        virtual_clock(decoders[name], costs.verify_seconds)
+    auto = SpecConfig(k="auto", max_new_tokens=MAX_NEW)
+    assert isinstance(decoders["lookahead"]._policy_for(auto), AdaptiveDraftLength)
+    drafted = 0
+    for prompt in PROMPTS:
+        ids = encode(tokenizer, prompt)
+        runs = {name: list(d.generate(ids, SamplingConfig(), auto)) for name, d in decoders.items()}
+        assert emitted(runs["lookahead"]) == target_greedy(pair.target, ids), prompt
+        assert step_record(runs["lookahead"]) == step_record(runs["ngram"]), prompt
+        drafted += sum(drafted for _, drafted, _, _ in step_record(runs["lookahead"]))
+    assert drafted > 0  # the text's own n-grams were drafted, not only plain steps
+
+
+def test_where_neither_lookahead_nor_prompt_lookup_pays_plain_decoding(pairs, tokenizer):
     pair = pairs[0]
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], LookaheadDrafter())
     decoder.costs = CostProfile({1: 0.4, **{fed: 1.0 for fed in range(2, 18)}}, None)
@@ -215,6 +259,26 @@ def test_lookahead_falls_back_to_plain_decoding_where_no_shape_pays(pairs, token
     steps = [e for e in events if isinstance(e, StepEvent)]
     assert all(e.fed == 1 and not e.tree for e in steps)
     assert all(e.provenance.value == "target" for e in events if isinstance(e, TokenEvent))
+
+
+def test_no_pass_is_larger_than_the_largest_measured(pairs, tokenizer):
+    from test_decoder_greedy import target_greedy
+
+    # Measured up to 13 tokens: the window (W 4, N 3: 8 tokens) rides along only beside a
+    # tree of at most 4 nodes; where prompt lookup's guess on a copied run fills more, it waits.
+    pair = pairs[0]
+    decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], LookaheadDrafter())
+    decoder.costs = CostProfile({fed: 0.1 for fed in range(1, 14)}, None)
+    assert choose_shape(decoder.costs.verify_seconds) == LookaheadShape(4, 3, 2)
+    steps = []
+    for prompt in PROMPTS:
+        ids = encode(tokenizer, prompt)
+        events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k="auto", max_new_tokens=MAX_NEW)))
+        assert emitted(events) == target_greedy(pair.target, ids), prompt
+        steps += [e for e in events if isinstance(e, StepEvent)]
+    assert max(e.fed for e in steps) <= 13
+    assert any(e.tree and e.fed > 9 for e in steps)  # the window beside a tree of 4 nodes
+    assert any(e.tree and 5 < e.fed <= 13 and e.drafted > 4 for e in steps)  # a long guess, no window
 
 
 class TestGate:
@@ -261,6 +325,42 @@ class TestGate:
         assert self.run(gate, [0] * 12) == "LLLL" + "." * 8
         assert self.run(gate, [1] + [0] * 3 + [2] * 26) == "L" * 30
         assert self.run(gate, [0] * 12) == "LLLL" + "." * 8  # the next pause is 8 again, not 16
+
+    def test_while_off_the_meanwhile_policy_drafts_and_learns(self):
+        from speccli.engine.policy import FixedDraftLength
+
+        class Recorder(FixedDraftLength):
+            def __init__(self) -> None:
+                super().__init__(5)
+                self.seen: list[StepEvent] = []
+
+            def observe(self, step: StepEvent) -> None:
+                self.seen.append(step)
+
+        meanwhile = Recorder()
+        gate = LookaheadGate(2, window=4, probe_every=8, meanwhile=meanwhile)
+        ks, kinds = [], []
+        for i in range(6):
+            ks.append(gate.next_k())
+            kinds.append(gate.lookahead_step)
+            if gate.lookahead_step:
+                gate.observe(StepEvent(i, 2, 0, 0.0, 0.13, fed=17, tree=True))
+            else:
+                gate.observe(StepEvent(i, 5, 3, 0.0, 0.12, fed=6))
+        assert ks == [2, 2, 2, 2, 5, 5] and kinds == [True] * 4 + [False] * 2
+        # Its own steps reach it; lookahead's do not (their tokens are not its drafts).
+        assert [e.step for e in meanwhile.seen] == [4, 5]
+
+    def test_lookahead_steps_teach_the_meanwhile_policy_what_passes_cost(self):
+        from speccli.engine.policy import AdaptiveDraftLength
+
+        meanwhile = AdaptiveDraftLength(max_k=16)
+        meanwhile.costs.seed({1: 0.10, 17: 0.20}, None)
+        gate = LookaheadGate(2, window=4, meanwhile=meanwhile)
+        gate.next_k()
+        gate.observe(StepEvent(0, 2, 1, 0.0, 0.14, fed=17, tree=True))
+        assert meanwhile.costs.verify[17] == pytest.approx(0.7 * 0.20 + 0.3 * 0.14)  # blended as its own steps are
+        assert meanwhile._tried == [0.0] * 16  # and nothing about acceptance
 
     def test_a_gate_needs_a_window_and_a_draft_length(self):
         with pytest.raises(ValueError):

@@ -197,7 +197,11 @@ class SpeculativeDecoder:
             # The output position of the next token: the coupled rule's noise is chosen by it.
             next_position = len(context) - len(prompt_ids)
             step += 1
-            trees = spec.tree or getattr(self.drafter, "verifies_trees", False)
+            if getattr(self.drafter, "verifies_trees", False):
+                # Lookahead's steps are its own trees, when its gate lets them run.
+                trees = getattr(policy, "lookahead_step", True)
+            else:
+                trees = spec.tree
             if k > 0 and trees and hasattr(self.drafter, "propose_tree"):
                 outcome = self._tree_step(context, k, policy, sampling, generator, noise, next_position, step)
             else:
@@ -255,12 +259,19 @@ class SpeculativeDecoder:
             measured = self.costs.verify_seconds if self.costs else None
             shape = choose_lookahead_shape(measured)
             self.drafter.configure(shape)
+            # Where lookahead steps do not pay, prompt lookup's k auto drafts (the text's own
+            # n-grams, as `--draft ngram`), so lookahead is never below prompt lookup.
+            lookup = self._adaptive_policy(spec)
             if shape is None:
-                return FixedDraftLength(0)
+                return lookup
             # k auto also turns lookahead steps off while they accept too little to pay.
-            return LookaheadGate(shape.ngram - 1, break_even_gain(measured, shape))
+            return LookaheadGate(shape.ngram - 1, break_even_gain(measured, shape), meanwhile=lookup)
         if isinstance(spec.k, int):
             return FixedDraftLength(spec.k)
+        return self._adaptive_policy(spec)
+
+    def _adaptive_policy(self, spec: SpecConfig) -> AdaptiveDraftLength:
+        """k auto's policy, kept across generations while the costs and the prior it started from hold."""
         started_from = (spec.max_k, self.costs, self.prior)
         same = len(self._adaptive_from) == 3 and self._adaptive_from[0] == spec.max_k and all(
             a is b for a, b in zip(self._adaptive_from[1:], started_from[1:])
@@ -363,9 +374,7 @@ class SpeculativeDecoder:
         positions = [cached + d for d in depths]
         visible = tree.visibility()
         branch = self.drafter.branch(context) if hasattr(self.drafter, "branch") else None
-        if branch is not None and (
-            self.target.max_length is None or cached + len(fed) + len(branch) <= self.target.max_length
-        ):
+        if branch is not None and self._branch_fits(cached + len(fed) + len(branch), len(fed) + len(branch)):
             # Lookahead decoding's Jacobi window rides along: it sees the pending token and
             # itself, the tree does not see it, and none of it stays in the cache.
             fed += branch.tokens
@@ -410,6 +419,16 @@ class SpeculativeDecoder:
                 catch_up_seconds=caught_up,
             ),
         )
+
+    def _branch_fits(self, length: int, fed: int) -> bool:
+        """Whether the lookahead branch may ride in a pass: within the target's context, and
+        no larger than the largest pass measured. Past that its cost is unknown, and the tree
+        has filled the measured pass itself (prompt lookup's guess on a run of copied text,
+        worth more this step than the window's n-grams for later ones); the window then
+        waits a step."""
+        if self.target.max_length is not None and length > self.target.max_length:
+            return False
+        return self.costs is None or fed <= max(self.costs.verify_seconds)
 
     def _tree_shape(self, k: int, policy: DraftLengthPolicy) -> TreeShape:
         """How large a tree may grow: k deep, with as many nodes as the measured costs

@@ -16,9 +16,11 @@ never see each other, and only the accepted path stays in the cache, so the outp
 exactly the target's.
 
 W, N and G (n-grams verified) are chosen from the measured pass costs: the shape with the
-best expected tokens per second; where none beats plain decoding, plain decoding. With k
-auto, `LookaheadGate` then runs plain steps while lookahead's steps accept too little on
-the text at hand to pay for their larger passes (and tries lookahead again now and then).
+best expected tokens per second. Where none beats plain decoding, and with k auto while
+`LookaheadGate` finds that lookahead's steps accept too little on the text at hand to pay
+for their larger passes (it tries them again now and then), the steps are prompt lookup's
+with its own k auto (`--draft ngram`): chains where the text repeats itself, plain steps
+where it does not.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from speccli.engine.backends import common_prefix_length
 from speccli.engine.coupling import Noise
 from speccli.engine.drafters import PromptLookupDrafter
 from speccli.engine.events import StepEvent
+from speccli.engine.policy import DraftLengthPolicy
 from speccli.engine.tree import TokenTree, TreeShape
 from speccli.engine.tree_drafters import trie
 
@@ -145,8 +148,6 @@ class LookaheadDrafter:
     pass, and a pool of n-grams verified as a tree."""
 
     name = "lookahead"
-    # Every step verifies a tree (the pool's n-grams) and carries the lookahead branch.
-    verifies_trees = True
 
     def __init__(self, shape: LookaheadShape | None = DEFAULT_SHAPE) -> None:
         self.shape = shape
@@ -156,6 +157,13 @@ class LookaheadDrafter:
         self.lookup = PromptLookupDrafter()
         self.lookup_length = self._shortest_lookup()
         self._last_lookup: tuple[int, list[int]] | None = None  # (context length, the guess) of the last step
+
+    @property
+    def verifies_trees(self) -> bool:
+        """With a shape, a lookahead step verifies a tree (the pool's n-grams and prompt
+        lookup's guess) and carries the lookahead branch; without one, steps are prompt
+        lookup's (`propose`, `propose_tree`)."""
+        return self.shape is not None
 
     def configure(self, shape: LookaheadShape | None) -> None:
         if shape != self.shape:
@@ -214,12 +222,9 @@ class LookaheadDrafter:
             entries.popitem(last=False)
 
     def propose(self, context, k, sampling, generator, noise=None):  # noqa: ANN001 - the Drafter protocol
-        """As a chain: the latest pool n-gram that starts with the pending token (the
-        decoder verifies trees with this drafter; this serves callers that want a chain)."""
-        from speccli.engine.drafters import Draft
-
-        entries = self.pool.get(context[-1]) if self.shape is not None else None
-        return Draft(list(next(reversed(entries))[:k]) if entries and k > 0 else [])
+        """As a chain, for the steps without lookahead (no shape pays, or the gate holds
+        lookahead back): prompt lookup's draft, k tokens, as `--draft ngram` drafts."""
+        return self.lookup.propose(context, k, sampling, generator, noise)
 
     def propose_tree(
         self,
@@ -231,7 +236,9 @@ class LookaheadDrafter:
     ) -> TokenTree:
         """Prompt lookup's guess, then the pool's n-grams that start with the pending token,
         the latest first."""
-        if self.shape is None or shape.max_depth <= 0:
+        if self.shape is None:
+            return self.lookup.propose_tree(context, shape, sampling, generator, noise)  # `--tree` without lookahead
+        if shape.max_depth <= 0:
             return TokenTree([], [])
         self._index(context)
         entries = self.pool.get(context[-1], {})
@@ -282,14 +289,16 @@ class LookaheadDrafter:
 
 
 class LookaheadGate:
-    """k auto for lookahead decoding: lookahead steps, but plain steps while they do not pay.
+    """k auto for lookahead decoding: lookahead steps, but other steps while they do not pay.
 
     A lookahead step's pass is larger than a plain step's (the window rides along), so its
     guesses must accept `break_even` extra tokens per step on average to pay for it (from
     the measured pass costs). On text that never repeats itself they accept nothing and
     every step pays that extra for nothing (0.75x plain decoding on an H200 with
     random-weight models). When the last `window` lookahead steps accepted no more than
-    `margin` x `break_even` extra tokens per step, plain steps follow; after `probe_every` of them
+    `margin` x `break_even` extra tokens per step, the `meanwhile` policy's steps follow
+    (prompt lookup's k auto: chains of the text's own n-grams where they pay, else plain
+    steps; plain steps without one); after `probe_every` of them
     (doubled after each probe that did not pay either, up to `max_backoff` doublings)
     lookahead steps are tried again, judged on a fresh window. The rule counts accepted
     tokens, not seconds: a step's seconds are too noisy on a shared CPU to judge a few
@@ -310,6 +319,7 @@ class LookaheadGate:
         probe_every: int = 16,
         max_backoff: int = 3,
         margin: float = 0.5,
+        meanwhile: DraftLengthPolicy | None = None,
     ) -> None:
         if k < 1 or window < 1 or break_even < 0 or not 0 < margin <= 1:
             raise ValueError(
@@ -321,7 +331,9 @@ class LookaheadGate:
         self.window = window
         self.probe_every = probe_every
         self.max_backoff = max_backoff
+        self.meanwhile = meanwhile
         self.on = True
+        self.lookahead_step = True  # whether the step next_k was asked for is a lookahead step
         self._recent: deque[int] = deque(maxlen=window)  # tokens accepted by the latest lookahead steps
         self._plain_steps = 0  # plain steps since lookahead went off
         self._failed_runs = 0
@@ -330,12 +342,20 @@ class LookaheadGate:
         interval = self.probe_every * 2 ** min(self._failed_runs - 1, self.max_backoff)
         if not self.on and self._plain_steps >= interval:
             self.on = True
-        return self.k if self.on else 0
+        self.lookahead_step = self.on
+        if self.on:
+            return self.k
+        return self.meanwhile.next_k() if self.meanwhile is not None else 0
 
     def observe(self, step: StepEvent) -> None:
-        if not step.tree or step.fed <= 1:  # a plain step
+        if not step.tree or step.fed <= 1:  # not a lookahead step
             self._plain_steps += 1
+            if self.meanwhile is not None:
+                self.meanwhile.observe(step)
             return
+        costs = getattr(self.meanwhile, "costs", None)
+        if costs is not None:
+            costs.observe(step)  # a pass's cost is the same whatever it verifies
         self._recent.append(step.accepted)
         if len(self._recent) < self.window:
             return
