@@ -374,7 +374,7 @@ class SpeculativeDecoder:
         positions = [cached + d for d in depths]
         visible = tree.visibility()
         branch = self.drafter.branch(context) if hasattr(self.drafter, "branch") else None
-        if branch is not None and self._branch_fits(cached + len(fed) + len(branch), len(fed) + len(branch)):
+        if branch is not None and self._branch_fits(cached, len(fed) + len(branch)):
             # Lookahead decoding's Jacobi window rides along: it sees the pending token and
             # itself, the tree does not see it, and none of it stays in the cache.
             fed += branch.tokens
@@ -420,13 +420,14 @@ class SpeculativeDecoder:
             ),
         )
 
-    def _branch_fits(self, length: int, fed: int) -> bool:
-        """Whether the lookahead branch may ride in a pass: within the target's context, and
-        no larger than the largest pass measured. Past that its cost is unknown, and the tree
+    def _branch_fits(self, cached: int, fed: int) -> bool:
+        """Whether the lookahead branch may ride in a pass of `fed` tokens (the tree's and
+        its own) after `cached` ones: within the target's context, and no larger than the
+        largest pass measured. Past that its cost is unknown, and the tree
         has filled the measured pass itself (prompt lookup's guess on a run of copied text,
         worth more this step than the window's n-grams for later ones); the window then
         waits a step."""
-        if self.target.max_length is not None and length > self.target.max_length:
+        if self.target.max_length is not None and cached + fed > self.target.max_length:
             return False
         return self.costs is None or fed <= max(self.costs.verify_seconds)
 

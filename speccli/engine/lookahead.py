@@ -333,19 +333,22 @@ class LookaheadGate:
         self.max_backoff = max_backoff
         self.meanwhile = meanwhile
         self.on = True
-        self.lookahead_step = True  # whether the step next_k was asked for is a lookahead step
         self._recent: deque[int] = deque(maxlen=window)  # tokens accepted by the latest lookahead steps
-        self._plain_steps = 0  # plain steps since lookahead went off
+        self._plain_steps = 0  # steps without lookahead since it went off
         self._failed_runs = 0
 
     def next_k(self) -> int:
         interval = self.probe_every * 2 ** min(self._failed_runs - 1, self.max_backoff)
         if not self.on and self._plain_steps >= interval:
             self.on = True
-        self.lookahead_step = self.on
         if self.on:
             return self.k
         return self.meanwhile.next_k() if self.meanwhile is not None else 0
+
+    @property
+    def lookahead_step(self) -> bool:
+        """Whether the step `next_k` was just asked for is a lookahead step."""
+        return self.on
 
     def observe(self, step: StepEvent) -> None:
         if not step.tree or step.fed <= 1:  # not a lookahead step
