@@ -334,12 +334,12 @@ class LookaheadGate:
         self.meanwhile = meanwhile
         self.on = True
         self._recent: deque[int] = deque(maxlen=window)  # tokens accepted by the latest lookahead steps
-        self._plain_steps = 0  # steps without lookahead since it went off
+        self._steps_off = 0  # steps without lookahead since it went off
         self._failed_runs = 0
 
     def next_k(self) -> int:
         interval = self.probe_every * 2 ** min(self._failed_runs - 1, self.max_backoff)
-        if not self.on and self._plain_steps >= interval:
+        if not self.on and self._steps_off >= interval:
             self.on = True
         if self.on:
             return self.k
@@ -352,7 +352,7 @@ class LookaheadGate:
 
     def observe(self, step: StepEvent) -> None:
         if not step.tree or step.fed <= 1:  # not a lookahead step
-            self._plain_steps += 1
+            self._steps_off += 1
             if self.meanwhile is not None:
                 self.meanwhile.observe(step)
             return
@@ -365,6 +365,6 @@ class LookaheadGate:
         if sum(self._recent) / self.window > self.margin * self.break_even:
             self._failed_runs = 0
         elif self.on:
-            self.on, self._plain_steps = False, 0
+            self.on, self._steps_off = False, 0
             self._failed_runs += 1
             self._recent.clear()
