@@ -26,7 +26,8 @@ prompt, so slow drift of the machine hits every method alike):
 
 transformers' methods run on the models with PyTorch's stock kernels, as transformers
 loads them; specgen's run as specgen loads them: in float32 on the CPU, its linear layers
-run through oneDNN (speccli.models.onednn; the same weights, switched in place before
+run through oneDNN, in bfloat16 one-row products as two where that is measured faster
+(speccli.models.onednn; the same weights, switched in place before
 each method's run, outside its timing).
 
 With --repeats R each method runs R times per prompt (the order rotated every round) and
@@ -64,7 +65,7 @@ from speccli.generation.pipeline import backend_label, causal_lm, head_drafter, 
 from speccli.generation.stream import Generator
 from speccli.models.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
-from speccli.models.onednn import set_onednn_linear
+from speccli.models.onednn import set_cpu_linear
 from speccli.stats import speedup
 
 METHODS = ("hf-plain", "hf-assisted", "hf-assisted-int8", "hf-prompt-lookup", "specgen-draft", "specgen-ngram",
@@ -189,8 +190,7 @@ class Bench:
     def run(self, method: str, ids: list[int], max_new: int) -> dict:
         specgen = method.startswith("specgen")
         runner = self._spec if specgen else self._hf
-        if self.specgen_linear == "onednn":
-            set_onednn_linear(self.model, enabled=specgen)
+        set_cpu_linear(self.model, self.specgen_linear, enabled=specgen)
         started = time.perf_counter()
         tokens, extra = runner(method, ids, max_new)
         seconds = time.perf_counter() - started

@@ -10,6 +10,11 @@ round): its median ratio to that pass times the fastest one-token pass, as specg
 calibration does. Prints one
 table row per dtype in milliseconds and as a multiple of a one-token pass; --json-out keeps
 the figures with the CPU and library versions.
+
+With --compare-stock, where specgen switched the model's linear layers to its own CPU
+kernels (oneDNN for float32, one-row products as two rows for bfloat16), the curve is
+timed again with PyTorch's stock kernels, and one-token passes under the two are timed in
+adjacent pairs (--repeats x 3 of them, the order alternating): their median ratio.
 """
 
 from __future__ import annotations
@@ -17,15 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from speccli.config import LoadConfig
-from speccli.engine.calibration import measure_costs
+from speccli.engine.calibration import CONTEXT_TOKENS, filler_ids, measure_costs
 from speccli.generation.pipeline import backend_label, causal_lm
 from speccli.models.loading import cpu_name, load_model
+from speccli.models.onednn import set_cpu_linear
 
 
 def main() -> int:
@@ -36,6 +44,8 @@ def main() -> int:
     parser.add_argument("--sizes", default="1,2,3,4,6,8,12,16,17,24,32,48,64",
                         help="comma-separated numbers of tokens fed (1 is always timed: the ratios need it)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compare-stock", action="store_true",
+                        help="also time the curve, and one-token passes in pairs, with PyTorch's stock linear kernels")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     try:
@@ -52,14 +62,22 @@ def main() -> int:
                             progress=lambda message: print(message, file=sys.stderr))
         lm = causal_lm(loaded)
         costs = measure_costs(lm, None, max(sizes), repeats=args.repeats, sizes=sizes)
-        one = costs.verify_seconds[1]
         print(f"\n{loaded.describe()} [{backend_label(lm)}]")
-        print("| tokens fed | " + " | ".join(str(n) for n in sizes) + " |")
-        print("|---|" + "---|" * len(sizes))
-        print("| ms | " + " | ".join(f"{costs.verify_seconds[n] * 1000:.0f}" for n in sizes) + " |")
-        print("| x one token | " + " | ".join(f"{costs.verify_seconds[n] / one:.2f}" for n in sizes) + " |")
-        results.append({"dtype": dtype, "model": loaded.describe(), "backend": backend_label(lm),
-                        "verify_seconds": {str(n): costs.verify_seconds[n] for n in sizes}})
+        print_curve(sizes, costs.verify_seconds)
+        result = {"dtype": dtype, "model": loaded.describe(), "backend": backend_label(lm), "linear": loaded.linear,
+                  "verify_seconds": {str(n): costs.verify_seconds[n] for n in sizes}}
+        if args.compare_stock and loaded.linear != "stock":
+            set_cpu_linear(loaded.model, loaded.linear, enabled=False)
+            stock = measure_costs(lm, None, max(sizes), repeats=args.repeats, sizes=sizes)
+            print("PyTorch's stock linear kernels:")
+            print_curve(sizes, stock.verify_seconds)
+            ratios, own, plain = one_token_pairs(lm, loaded, 3 * args.repeats)
+            print(f"one-token pass, {len(ratios)} adjacent pairs: specgen's kernels {1000 * statistics.median(own):.0f} ms,"
+                  f" stock {1000 * statistics.median(plain):.0f} ms (medians); specgen's / stock: median"
+                  f" {statistics.median(ratios):.2f}, {min(ratios):.2f}-{max(ratios):.2f}")
+            result["stock_verify_seconds"] = {str(n): stock.verify_seconds[n] for n in sizes}
+            result["one_token_pairs"] = {"specgen_seconds": own, "stock_seconds": plain, "ratios": ratios}
+        results.append(result)
         del lm, loaded
     if args.json_out:
         args.json_out.write_text(json.dumps({
@@ -68,6 +86,45 @@ def main() -> int:
                             "threads": torch.get_num_threads()},
         }, indent=2))
     return 0
+
+
+def print_curve(sizes: list[int], seconds: dict[int, float]) -> None:
+    one = seconds[1]
+    print("| tokens fed | " + " | ".join(str(n) for n in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    print("| ms | " + " | ".join(f"{seconds[n] * 1000:.0f}" for n in sizes) + " |")
+    print("| x one token | " + " | ".join(f"{seconds[n] / one:.2f}" for n in sizes) + " |")
+
+
+def one_token_pairs(lm, loaded, rounds: int) -> tuple[list[float], list[float], list[float]]:
+    """One-token passes with specgen's kernels and with the stock ones, adjacent, the order
+    alternating: (specgen's / stock per pair, specgen's seconds, stock seconds). Leaves the
+    model on specgen's kernels."""
+    context = filler_ids(lm.vocab_size, CONTEXT_TOKENS + 1)
+    lm.rollback(0)
+    lm.forward(context[:-1], all_logits=False)
+
+    def seconds(own: bool) -> float:
+        set_cpu_linear(loaded.model, loaded.linear, enabled=own)
+        started = time.perf_counter()
+        lm.forward(context[-1:], all_logits=False)
+        elapsed = time.perf_counter() - started
+        lm.rollback(CONTEXT_TOKENS)
+        return elapsed
+
+    ratios, own_seconds, stock_seconds = [], [], []
+    seconds(True), seconds(False)  # warm-up
+    for round_index in range(rounds):
+        first = round_index % 2 == 0
+        a = seconds(first)
+        b = seconds(not first)
+        own, stock = (a, b) if first else (b, a)
+        ratios.append(own / stock)
+        own_seconds.append(own)
+        stock_seconds.append(stock)
+    set_cpu_linear(loaded.model, loaded.linear)
+    lm.rollback(0)
+    return ratios, own_seconds, stock_seconds
 
 
 if __name__ == "__main__":

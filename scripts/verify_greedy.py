@@ -22,7 +22,7 @@ from speccli.commands.bench_runner import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.generation.pipeline import load_pipeline
 from speccli.generation.prompts import Prompt
-from speccli.models.onednn import set_onednn_linear
+from speccli.models.onednn import set_cpu_linear
 
 
 def main() -> int:
@@ -48,12 +48,12 @@ def main() -> int:
     for prompt in args.prompts:
         ids = generator.encode(Prompt.of(prompt))
         # The reference is the target as transformers runs it: PyTorch's stock kernels.
-        set_onednn_linear(model, enabled=False)
+        set_cpu_linear(model, pipeline.target.linear, enabled=False)
         started = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
         plain_seconds = time.perf_counter() - started
-        set_onednn_linear(model, enabled=pipeline.target.linear == "onednn")
+        set_cpu_linear(model, pipeline.target.linear)
         reference = out[0, len(ids):].tolist()
         eos = set(pipeline.target.eos_token_ids)
         cut = next((i for i, t in enumerate(reference) if t in eos), len(reference))

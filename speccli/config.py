@@ -101,7 +101,8 @@ class LoadConfig:
     dtype: auto picks what runs fastest where the model runs; else the weights' dtype.
     quant: auto means bitsandbytes NF4 4-bit on CUDA; on the CPU, none for a target and
     PyTorch's dynamic int8 for a draft (`for_draft`), whose speed is what matters there.
-    cpu_linear: auto runs float32 linear layers on the CPU through oneDNN (see
+    cpu_linear: auto runs float32 linear layers on the CPU through oneDNN, and bfloat16
+    one-row products as two rows where that is measured faster (see
     speccli.models.onednn); stock keeps PyTorch's default kernels.
     cuda_graphs: auto runs a model on CUDA in bfloat16/float16 or bitsandbytes 4/8-bit over a
     static KV cache replayed as CUDA graphs (speccli.engine.static_backend); off, and every

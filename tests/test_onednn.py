@@ -1,6 +1,7 @@
 """float32 linear layers through oneDNN on the CPU: the same modules and weights, float32
 results up to rounding, greedy output still exactly the stock target's, and a quiet
-fallback wherever oneDNN cannot serve."""
+fallback wherever oneDNN cannot serve. bfloat16 one-row products as two rows: the first
+row of the two-row product, chosen at load only where the measured pair says it pays."""
 
 from __future__ import annotations
 
@@ -16,7 +17,17 @@ from speccli.engine.drafters import ModelDrafter
 from speccli.engine.events import TokenEvent
 from speccli.models import loading
 from speccli.models.loading import load_model
-from speccli.models.onednn import OneDnnLinear, onednn_problem, set_onednn_linear, uses_onednn_linear
+from speccli.models import onednn
+from speccli.models.onednn import (
+    OneDnnLinear,
+    TwoRowLinear,
+    onednn_problem,
+    row_pair_ratio,
+    set_onednn_linear,
+    set_two_row_linear,
+    two_rows_pay,
+    uses_onednn_linear,
+)
 
 PROMPTS = ["def fib(n):", "hello world", "abcabcabc", "1, 2, 3,", "The quick brown fox"]
 
@@ -96,6 +107,7 @@ def test_load_model_uses_onednn_for_float32_on_the_cpu_only(folder, monkeypatch)
     assert stock.linear == "stock" and not uses_onednn_linear(stock.model)
     assert "oneDNN" not in stock.describe()
 
+    monkeypatch.setattr(loading, "two_rows_pay", lambda model: False)
     bf16 = load_model(folder, LoadConfig(device="cpu", dtype="bfloat16", quant="none"))
     assert bf16.linear == "stock"  # bfloat16 already runs through oneDNN in PyTorch itself
     int8 = load_model(folder, LoadConfig(device="cpu", quant="int8"))
@@ -108,3 +120,75 @@ def test_load_model_uses_onednn_for_float32_on_the_cpu_only(folder, monkeypatch)
 def test_cpu_linear_must_be_known():
     with pytest.raises(ValueError, match="cpu_linear must be one of auto, stock, got 'mkl'"):
         LoadConfig(cpu_linear="mkl")
+
+
+def test_a_one_row_bfloat16_product_is_the_first_row_of_the_two_row_one():
+    layer = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    assert set_two_row_linear(layer) == 1 and type(layer) is TwoRowLinear
+    generator = torch.Generator().manual_seed(0)
+    row = torch.randn(1, 1, 16, generator=generator).to(torch.bfloat16)
+    rows = torch.randn(1, 3, 16, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        doubled = torch.nn.functional.linear(torch.cat([row[0], row[0]]), layer.weight, layer.bias)
+        assert layer(row).shape == (1, 1, 8) and torch.equal(layer(row)[0], doubled[:1])
+        assert torch.equal(layer(rows), torch.nn.functional.linear(rows, layer.weight, layer.bias))
+    x = row.clone().requires_grad_(True)
+    layer(x).sum().backward()  # autograd takes nn.Linear's own path
+    assert x.grad is not None
+    assert set_two_row_linear(torch.nn.Linear(16, 8)) == 0  # float32 layers are oneDNN's
+
+
+def test_switching_to_two_rows_keeps_modules_and_weights_and_switches_back_exactly():
+    model = tiny_llama(60, seed=3).to(torch.bfloat16)
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7]])
+    with torch.inference_mode():
+        stock = model(ids).logits
+    weights = {name: param for name, param in model.named_parameters()}
+    assert set_two_row_linear(model) == linear_count(model) == 15
+    assert all(param is weights[name] for name, param in model.named_parameters())
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, stock)  # six rows: nn.Linear's own path
+    assert set_two_row_linear(model, enabled=False) == 15
+    assert type(model.lm_head) is torch.nn.Linear
+
+
+def test_the_row_pair_ratio_is_the_median_of_adjacent_pairs_in_alternating_order():
+    # Seconds each timing takes, in the order taken: the warm-ups (one row, two rows),
+    # then round 0 one/two, round 1 two/one (a slow spell slows both), round 2 one/two.
+    durations = iter([9.0, 9.0, 1.0, 0.8, 1.2, 2.0, 1.0, 0.5])
+    now = [0.0]
+    ticks = []
+
+    def fake_clock() -> float:
+        # Called twice per timing: at its start, then at its end.
+        if len(ticks) % 2:
+            now[0] += next(durations)
+        ticks.append(now[0])
+        return now[0]
+
+    weight = torch.randn(4, 8).to(torch.bfloat16)
+    # ratios 0.8, 0.6 and 0.5: the median 0.6 (taken in one order throughout: 0.8)
+    assert row_pair_ratio(weight, rounds=3, calls=1, clock=fake_clock) == pytest.approx(0.6)
+
+
+def test_two_rows_are_judged_on_the_shape_that_holds_most_parameters(monkeypatch):
+    model = tiny_llama(60, seed=3).to(torch.bfloat16)  # hidden 32: q/o 32x32, gate/up 64x32, down 32x64
+    monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: pytest.fail("timed a product too small to judge"))
+    assert not two_rows_pay(model)  # too small to judge: stock, without timing anything
+    monkeypatch.setattr(onednn, "MIN_JUDGED_WEIGHT", 0)
+    shapes = []
+    monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: shapes.append(tuple(weight.shape)) or 0.8)
+    assert two_rows_pay(model) and shapes == [(64, 32)]
+    monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: 0.95)
+    assert not two_rows_pay(model)
+    assert not two_rows_pay(tiny_llama(60, seed=3))  # float32: no bfloat16 layer to judge
+
+
+def test_load_model_multiplies_one_bfloat16_row_as_two_where_that_pays(folder, monkeypatch):
+    monkeypatch.setattr(loading, "two_rows_pay", lambda model: True)
+    loaded = load_model(folder, LoadConfig(device="cpu", dtype="bfloat16", quant="none"))
+    assert loaded.linear == "two-row" and type(loaded.model.lm_head) is TwoRowLinear
+    assert "bfloat16, one-row products as two on cpu" in loaded.describe()
+    stock = load_model(folder, LoadConfig(device="cpu", dtype="bfloat16", quant="none", cpu_linear="stock"))
+    assert stock.linear == "stock" and type(stock.model.lm_head) is torch.nn.Linear
+    assert load_model(folder, LoadConfig(device="cpu", dtype="float32", quant="none")).linear == "onednn"

@@ -19,7 +19,9 @@ Choices worth knowing:
   bitsandbytes: transformers dequantizes them to the dtype.
 * float32 on the CPU: the linear layers run through oneDNN instead of MKL's sgemm
   (``LoadConfig.cpu_linear``; see ``speccli.models.onednn``), which is 1.5-2.5x faster
-  for the few rows a decode step feeds.
+  for the few rows a decode step feeds. bfloat16 on the CPU: a one-token pass multiplies
+  its row as two where that is measured faster (PyTorch's one-row bf16 kernel is slower
+  than its two-row one on some CPUs).
 * Hub models are looked up in the local Hugging Face cache first, without
   touching the network; only a model that is not (completely) cached is fetched.
   An offline machine thus loads cached models at once instead of retrying the Hub.
@@ -50,7 +52,7 @@ from speccli.config import LoadConfig
 from speccli.models import offline
 from speccli.models.errors import ModelLoadError
 from speccli.models.int8 import int8_problem, quantize_int8
-from speccli.models.onednn import onednn_problem, set_onednn_linear
+from speccli.models.onednn import onednn_problem, set_onednn_linear, set_two_row_linear, two_rows_pay
 from speccli.models.registry import ALIASES, ResolvedModel, resolve
 
 __all__ = [
@@ -101,7 +103,7 @@ class LoadedModel:
     dtype: torch.dtype
     quant: str  # "none", "4bit", "8bit" or "gguf→<dtype>"
     load_seconds: float
-    linear: str = "stock"  # "onednn" when float32 linear layers run through oneDNN
+    linear: str = "stock"  # "onednn": float32 linear layers through oneDNN; "two-row": bf16 one-row products as two
     backend: str = "transformers"  # or "llama.cpp" (then `model` is a LlamaCppWeights)
 
     @property
@@ -139,7 +141,7 @@ class LoadedModel:
                 f"{generic}) on {self.device}, loaded in {self.load_seconds:.1f} s"
             )
         quant = "" if self.quant == "none" else f" ({self.quant})"
-        linear = ", oneDNN linear" if self.linear == "onednn" else ""
+        linear = {"onednn": ", oneDNN linear", "two-row": ", one-row products as two"}.get(self.linear, "")
         return (
             f"{self.name}: {self.resolved.kind}, {dtype_name(self.dtype)}{quant}{linear} on {self.device},"
             f" loaded in {self.load_seconds:.1f} s"
@@ -725,9 +727,11 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
             model = quantize_int8(model)
     model.eval()
     linear = "stock"
-    if device.type == "cpu" and config.cpu_linear == "auto" and onednn_problem() is None:
-        if set_onednn_linear(model):
+    if device.type == "cpu" and config.cpu_linear == "auto":
+        if dtype == torch.float32 and onednn_problem() is None and set_onednn_linear(model):
             linear = "onednn"
+        elif dtype == torch.bfloat16 and two_rows_pay(model) and set_two_row_linear(model):
+            linear = "two-row"
 
     return LoadedModel(
         name=name,

@@ -1,4 +1,6 @@
-"""float32 linear layers through oneDNN on the CPU.
+"""Faster CPU kernels for the few rows a decode step feeds its linear layers, chosen at load
+time: float32 through oneDNN; bfloat16 one-row products as two rows where that is faster
+(see TwoRowLinear).
 
 For float32 on the CPU, nn.Linear multiplies with MKL's sgemm, which is slow for the
 few rows that decoding feeds: on the 2-core AVX512 machine here (torch 2.13) the two
@@ -17,6 +19,8 @@ passes). The same weight tensors are used: nothing is copied or re-packed.
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -88,3 +92,109 @@ def set_onednn_linear(model: torch.nn.Module, enabled: bool = True) -> int:
 
 def uses_onednn_linear(model: torch.nn.Module) -> bool:
     return any(type(module) is OneDnnLinear for module in model.modules())
+
+
+# bfloat16 one-row products as two rows.
+#
+# PyTorch multiplies a bfloat16 matrix by one row with a matrix-vector kernel, by two or
+# more rows with oneDNN's matrix-matrix one; on the 2-core AVX512-BF16 AMD EPYC here (torch
+# 2.13) the first is the slower: a Qwen2.5-Coder-1.5B MLP product costs 2.1-2.2 ms for one
+# row and 1.7 ms for two, and a whole pass over one new token 316 ms (median) where the
+# same pass with the row fed twice costs 276 ms, as a pass over two tokens does (282). A
+# one-token pass then costs more than a pass over 2-5 tokens, which makes plain decoding and
+# every plain step of speculative decoding pay for nothing. Where the one-row kernel is the
+# faster (other CPUs), nothing changes: the choice is measured on the model's own shape.
+
+ROW_PAIR_GAIN = 0.92  # two rows must take at most this share of one row's time to be used
+# Smaller weights are not judged (kept stock): their products are the call's overhead, and
+# timing them would only decide by noise.
+MIN_JUDGED_WEIGHT = 1 << 20
+
+
+class TwoRowLinear(torch.nn.Linear):
+    """nn.Linear that multiplies one bfloat16 CPU row as two (the row twice, the first
+    result kept); anything else takes nn.Linear's own path."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+        if (
+            input.numel() != self.in_features
+            or input.dtype != torch.bfloat16
+            or self.weight.dtype != torch.bfloat16
+            or input.device.type != "cpu"
+            or (torch.is_grad_enabled() and (input.requires_grad or self.weight.requires_grad))
+        ):
+            return F.linear(input, self.weight, self.bias)
+        row = input.reshape(1, self.in_features)
+        out = F.linear(torch.cat([row, row]), self.weight, self.bias)[:1]
+        return out.reshape(*input.shape[:-1], self.out_features)
+
+
+def _bfloat16_cpu_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [
+        module
+        for module in model.modules()
+        if type(module) in (torch.nn.Linear, TwoRowLinear)
+        and module.weight.dtype == torch.bfloat16
+        and module.weight.device.type == "cpu"
+    ]
+
+
+def set_two_row_linear(model: torch.nn.Module, enabled: bool = True) -> int:
+    """Switch every bfloat16 CPU nn.Linear of `model` to TwoRowLinear (or back), in place as
+    set_onednn_linear does. Returns how many layers are switched."""
+    layers = _bfloat16_cpu_linears(model)
+    for module in layers:
+        module.__class__ = TwoRowLinear if enabled else torch.nn.Linear
+    return len(layers)
+
+
+def row_pair_ratio(weight: torch.Tensor, rounds: int = 9, calls: int = 4, clock=time.perf_counter) -> float:
+    """What multiplying two rows by `weight` costs as a share of one row: the median over
+    `rounds` of adjacent timings (each of `calls` products, the order alternating), so that a
+    shared machine's drift hits both alike."""
+    # Not zeros: PyTorch's one-row kernel is faster on a row of zeros than on real ones.
+    rows = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    one, two = rows[:1], rows
+
+    def seconds(rows: torch.Tensor) -> float:
+        started = clock()
+        for _ in range(calls):
+            F.linear(rows, weight)
+        return clock() - started
+
+    ratios = []
+    with torch.inference_mode():
+        seconds(one), seconds(two)  # warm-up: kernels chosen, weight in cache
+        for round_ in range(rounds):
+            if round_ % 2:
+                pair, single = seconds(two), seconds(one)
+            else:
+                single, pair = seconds(one), seconds(two)
+            ratios.append(pair / single if single > 0 else 1.0)
+    return statistics.median(ratios)
+
+
+def two_rows_pay(model: torch.nn.Module) -> bool:
+    """Whether one-row bfloat16 products of `model` run faster as two rows on this CPU,
+    measured on the weight shape that holds most of its linear parameters."""
+    layers = _bfloat16_cpu_linears(model)
+    if not layers:
+        return False
+    by_shape: dict[tuple[int, int], int] = {}
+    for module in layers:
+        shape = tuple(module.weight.shape)
+        by_shape[shape] = by_shape.get(shape, 0) + module.weight.numel()
+    shape = max(by_shape, key=by_shape.get)
+    if shape[0] * shape[1] < MIN_JUDGED_WEIGHT:
+        return False
+    weight = next(module.weight for module in layers if tuple(module.weight.shape) == shape)
+    return row_pair_ratio(weight.detach()) <= ROW_PAIR_GAIN
+
+
+def set_cpu_linear(model: torch.nn.Module, linear: str, enabled: bool = True) -> None:
+    """Switch `model`'s layers to the kernels a load chose (LoadedModel.linear), or back to
+    PyTorch's stock ones (to time transformers' own methods on the same model)."""
+    if linear == "onednn":
+        set_onednn_linear(model, enabled)
+    elif linear == "two-row":
+        set_two_row_linear(model, enabled)
