@@ -17,6 +17,8 @@ prompt, so slow drift of the machine hits every method alike):
   specgen-ngram     specgen's SpeculativeDecoder with PromptLookupDrafter
   specgen-plain     specgen's decode loop with no drafter (k = 0): what specgen's loading alone gives,
                     so that specgen-draft / specgen-plain is the gain of speculation alone
+  specgen-plain-stock  the same loop on PyTorch's stock linear kernels (as --cpu-linear stock): what
+                    specgen's CPU kernels (oneDNN in float32, one-row products as two in bfloat16) give
   specgen-tree      specgen-draft drafting token trees (--tree): the draft branches where unsure
   specgen-ngram-tree  specgen-ngram drafting trees of several earlier continuations
   specgen-lookahead lookahead decoding (--draft lookahead): no draft model, a Jacobi window in every pass
@@ -69,7 +71,7 @@ from speccli.models.onednn import set_cpu_linear
 from speccli.stats import speedup
 
 METHODS = ("hf-plain", "hf-assisted", "hf-assisted-int8", "hf-prompt-lookup", "specgen-draft", "specgen-ngram",
-           "specgen-plain", "specgen-tree", "specgen-ngram-tree", "specgen-lookahead",
+           "specgen-plain", "specgen-plain-stock", "specgen-tree", "specgen-ngram-tree", "specgen-lookahead",
            "specgen-medusa", "specgen-medusa-tree", "specgen-eagle", "specgen-eagle-tree")
 TREE_METHODS = ("specgen-tree", "specgen-ngram-tree", "specgen-medusa-tree", "specgen-eagle-tree")
 HEAD_METHODS = {"specgen-medusa": "medusa", "specgen-medusa-tree": "medusa", "specgen-eagle": "eagle",
@@ -121,6 +123,7 @@ class Bench:
             "specgen-ngram": Generator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
                                             CostProfile(costs.verify_seconds, None) if costs else None),
             "specgen-plain": draft_generator,  # streamed with plain=True: the target alone
+            "specgen-plain-stock": draft_generator,
             # Their own generators, so that what k auto learns of trees stays apart from chains.
             "specgen-tree": Generator.over(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs),
             "specgen-ngram-tree": Generator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
@@ -162,7 +165,7 @@ class Bench:
 
     def _spec(self, method: str, ids: list[int], max_new: int) -> tuple[list[int], dict]:
         generator = self.generators[method]
-        plain = method == "specgen-plain"
+        plain = method in ("specgen-plain", "specgen-plain-stock")
         drafter = None if plain else generator.drafter
         spec = SpecConfig(k=self.k, max_new_tokens=max_new, tree=method in TREE_METHODS)
         # The target's passes and the drafter's own: a draft model's backend, or the heads' (HeadPasses).
@@ -190,7 +193,7 @@ class Bench:
     def run(self, method: str, ids: list[int], max_new: int) -> dict:
         specgen = method.startswith("specgen")
         runner = self._spec if specgen else self._hf
-        set_cpu_linear(self.model, self.specgen_linear, enabled=specgen)
+        set_cpu_linear(self.model, self.specgen_linear, enabled=specgen and method != "specgen-plain-stock")
         started = time.perf_counter()
         tokens, extra = runner(method, ids, max_new)
         seconds = time.perf_counter() - started
@@ -299,6 +302,7 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     pairs = [(a, b) for a in ("specgen-draft", "specgen-ngram") for b in ("hf-plain", "hf-assisted", "hf-prompt-lookup")]
     pairs += [("specgen-ngram-tree", "hf-prompt-lookup")]
     pairs += [("specgen-draft", "hf-assisted-int8"), ("specgen-draft", "specgen-plain"), ("specgen-plain", "hf-plain")]
+    pairs += [("specgen-plain", "specgen-plain-stock"), ("specgen-plain-stock", "hf-plain")]
     pairs += [("specgen-lookahead", "specgen-plain"), ("specgen-lookahead", "specgen-ngram"),
               ("specgen-lookahead", "hf-prompt-lookup"),
               ("specgen-tree", "specgen-draft"), ("specgen-tree", "specgen-plain"),

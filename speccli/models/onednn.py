@@ -98,8 +98,8 @@ def uses_onednn_linear(model: torch.nn.Module) -> bool:
 #
 # PyTorch multiplies a bfloat16 matrix by one row with a matrix-vector kernel, by two or
 # more rows with oneDNN's matrix-matrix one; on the 2-core AVX512-BF16 AMD EPYC here (torch
-# 2.13) the first is the slower: a Qwen2.5-Coder-1.5B MLP product costs 2.1-2.2 ms for one
-# row and 1.7 ms for two, and a whole pass over one new token 316 ms (median) where the
+# 2.13) the first is the slower: a Qwen2.5-Coder-1.5B MLP product costs 2.1-2.5 ms for one
+# row and 1.7-1.9 ms for two, and a whole pass over one new token 316 ms (median) where the
 # same pass with the row fed twice costs 276 ms, as a pass over two tokens does (282). A
 # one-token pass then costs more than a pass over 2-5 tokens, which makes plain decoding and
 # every plain step of speculative decoding pay for nothing. Where the one-row kernel is the
