@@ -33,7 +33,7 @@ from speccli.config import LoadConfig
 from speccli.engine.calibration import CONTEXT_TOKENS, filler_ids, measure_costs
 from speccli.generation.pipeline import backend_label, causal_lm
 from speccli.models.loading import cpu_name, load_model
-from speccli.models.onednn import set_cpu_linear
+from speccli.models.onednn import alternating_pairs, set_cpu_linear
 
 
 def main() -> int:
@@ -112,16 +112,9 @@ def one_token_pairs(lm, loaded, rounds: int) -> tuple[list[float], list[float], 
         lm.rollback(CONTEXT_TOKENS)
         return elapsed
 
-    ratios, own_seconds, stock_seconds = [], [], []
-    seconds(True), seconds(False)  # warm-up
-    for round_index in range(rounds):
-        first = round_index % 2 == 0
-        a = seconds(first)
-        b = seconds(not first)
-        own, stock = (a, b) if first else (b, a)
-        ratios.append(own / stock)
-        own_seconds.append(own)
-        stock_seconds.append(stock)
+    pairs = alternating_pairs(lambda: seconds(True), lambda: seconds(False), rounds)
+    own_seconds, stock_seconds = [own for own, _ in pairs], [stock for _, stock in pairs]
+    ratios = [own / stock for own, stock in pairs]
     set_cpu_linear(loaded.model, loaded.linear)
     lm.rollback(0)
     return ratios, own_seconds, stock_seconds

@@ -148,13 +148,26 @@ def set_two_row_linear(model: torch.nn.Module, enabled: bool = True) -> int:
     return len(layers)
 
 
+def alternating_pairs(first, second, rounds: int) -> list[tuple[float, float]]:
+    """(first's, second's) seconds from `rounds` adjacent timings of two zero-argument timers,
+    after one warm-up call of each; the order alternates from round to round, so that a
+    shared machine's drift hits both alike and neither always runs first."""
+    first(), second()
+    pairs = []
+    for round_ in range(rounds):
+        if round_ % 2:
+            b, a = second(), first()
+        else:
+            a, b = first(), second()
+        pairs.append((a, b))
+    return pairs
+
+
 def row_pair_ratio(weight: torch.Tensor, rounds: int = 9, calls: int = 4, clock=time.perf_counter) -> float:
     """What multiplying two rows by `weight` costs as a share of one row: the median over
-    `rounds` of adjacent timings (each of `calls` products, the order alternating), so that a
-    shared machine's drift hits both alike."""
+    `rounds` alternating adjacent timings (each of `calls` products)."""
     # Not zeros: PyTorch's one-row kernel is faster on a row of zeros than on real ones.
     rows = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-    one, two = rows[:1], rows
 
     def seconds(rows: torch.Tensor) -> float:
         started = clock()
@@ -162,16 +175,9 @@ def row_pair_ratio(weight: torch.Tensor, rounds: int = 9, calls: int = 4, clock=
             F.linear(rows, weight)
         return clock() - started
 
-    ratios = []
     with torch.inference_mode():
-        seconds(one), seconds(two)  # warm-up: kernels chosen, weight in cache
-        for round_ in range(rounds):
-            if round_ % 2:
-                pair, single = seconds(two), seconds(one)
-            else:
-                single, pair = seconds(one), seconds(two)
-            ratios.append(pair / single if single > 0 else 1.0)
-    return statistics.median(ratios)
+        pairs = alternating_pairs(lambda: seconds(rows[:1]), lambda: seconds(rows), rounds)
+    return statistics.median(two / one if one > 0 else 1.0 for one, two in pairs)
 
 
 def two_rows_pay(model: torch.nn.Module) -> bool:
