@@ -6,6 +6,7 @@ row of the two-row product, chosen at load only where the measured pair says it 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -107,7 +108,7 @@ def test_load_model_uses_onednn_for_float32_on_the_cpu_only(folder, monkeypatch)
     assert stock.linear == "stock" and not uses_onednn_linear(stock.model)
     assert "oneDNN" not in stock.describe()
 
-    monkeypatch.setattr(loading, "two_rows_pay", lambda model: False)
+    monkeypatch.setattr(loading, "two_rows_pay", lambda model, *history: False)
     bf16 = load_model(folder, LoadConfig(device="cpu", dtype="bfloat16", quant="none"))
     assert bf16.linear == "stock"  # bfloat16 already runs through oneDNN in PyTorch itself
     int8 = load_model(folder, LoadConfig(device="cpu", quant="int8"))
@@ -184,8 +185,35 @@ def test_two_rows_are_judged_on_the_shape_that_holds_most_parameters(monkeypatch
     assert not two_rows_pay(tiny_llama(60, seed=3))  # float32: no bfloat16 layer to judge
 
 
+def test_the_latest_loads_ratios_decide_together(monkeypatch, tmp_path):
+    model = tiny_llama(60, seed=3).to(torch.bfloat16)
+    monkeypatch.setattr(onednn, "MIN_JUDGED_WEIGHT", 0)
+    measured = iter([0.85, 0.86, 0.84, 0.97, 0.99, 0.98, 0.99, 0.80])
+    monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: next(measured))
+    decisions = [two_rows_pay(model, tmp_path, "CPU A") for _ in range(8)]
+    # A load or two that time above the bar do not flip the choice; once most of the latest do, it flips.
+    assert decisions == [True] * 6 + [False] * 2
+    history = onednn.row_pair_history(tmp_path, "CPU A", (64, 32))
+    assert json.loads(history.read_text())["row_pair_ratios"] == [0.86, 0.84, 0.97, 0.99, 0.98, 0.99, 0.80]
+    # Another CPU (or torch build, thread count, shape) starts its own record.
+    assert onednn.row_pair_history(tmp_path, "CPU B", (64, 32)) != history
+    monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: 0.95)
+    assert not two_rows_pay(model, tmp_path, "CPU B")
+    history.write_text("not json")  # unreadable: this load's own timing decides, and starts it again
+    monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: 0.85)
+    assert two_rows_pay(model, tmp_path, "CPU A")
+    assert json.loads(history.read_text())["row_pair_ratios"] == [0.85]
+
+
+def test_load_model_keeps_its_row_pair_ratios_in_the_cache(folder, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(loading, "two_rows_pay", lambda model, *history: seen.append(history) or False)
+    load_model(folder, LoadConfig(device="cpu", dtype="bfloat16", quant="none"), cache_dir=tmp_path)
+    assert seen == [(tmp_path / "kernels", loading.cpu_name())]
+
+
 def test_load_model_multiplies_one_bfloat16_row_as_two_where_that_pays(folder, monkeypatch):
-    monkeypatch.setattr(loading, "two_rows_pay", lambda model: True)
+    monkeypatch.setattr(loading, "two_rows_pay", lambda model, *history: True)
     loaded = load_model(folder, LoadConfig(device="cpu", dtype="bfloat16", quant="none"))
     assert loaded.linear == "two-row" and type(loaded.model.lm_head) is TwoRowLinear
     assert "bfloat16, one-row products as two on cpu" in loaded.describe()

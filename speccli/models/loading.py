@@ -651,6 +651,7 @@ class PendingModel:
     quant: str  # as chosen: "none", "int8", "4bit" or "8bit"
     tokenizer_seconds: float  # resolving and loading the tokenizer took this long
     backend: str = "transformers"  # as chosen by choose_backend
+    cache_dir: Path | None = None  # specgen's cache (offline models, kernel timings)
 
 
 def load_tokenizer(
@@ -693,7 +694,9 @@ def load_tokenizer(
             tokenizer = _from_pretrained(
                 AutoTokenizer.from_pretrained, resolved, {"trust_remote_code": config.trust_remote_code}
             )
-    return PendingModel(name, config, resolved, tokenizer, device, dtype, quant, time.perf_counter() - started, backend)
+    return PendingModel(
+        name, config, resolved, tokenizer, device, dtype, quant, time.perf_counter() - started, backend, cache
+    )
 
 
 def load_weights(pending: PendingModel, progress: Progress | None = None) -> LoadedModel:
@@ -730,7 +733,11 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
     if device.type == "cpu" and config.cpu_linear == "auto":
         if dtype == torch.float32 and onednn_problem() is None and set_onednn_linear(model):
             linear = "onednn"
-        elif dtype == torch.bfloat16 and two_rows_pay(model) and set_two_row_linear(model):
+        elif (
+            dtype == torch.bfloat16
+            and two_rows_pay(model, (pending.cache_dir or offline.default_cache_dir()) / "kernels", cpu_name())
+            and set_two_row_linear(model)
+        ):
             linear = "two-row"
 
     return LoadedModel(

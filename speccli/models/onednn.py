@@ -19,11 +19,16 @@ passes). The same weight tensors are used: nothing is copied or re-packed.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from speccli.models.offline import write_json
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -180,9 +185,18 @@ def row_pair_ratio(weight: torch.Tensor, rounds: int = 9, calls: int = 4, clock=
     return statistics.median(two / one if one > 0 else 1.0 for one, two in pairs)
 
 
-def two_rows_pay(model: torch.nn.Module) -> bool:
+REMEMBERED_RATIOS = 7  # the latest loads' row-pair ratios that decide together
+
+
+def two_rows_pay(model: torch.nn.Module, history_dir: Path | None = None, machine: str = "") -> bool:
     """Whether one-row bfloat16 products of `model` run faster as two rows on this CPU,
-    measured on the weight shape that holds most of its linear parameters."""
+    measured on the weight shape that holds most of its linear parameters.
+
+    With `history_dir`, the ratio is added to those of the latest loads on this `machine`
+    (its CPU's name), torch build, thread count and weight shape, and their median decides: one load's timing on a
+    shared VM is not stable enough (on a 2-core AMD EPYC, 2 loads of 6 in a day kept stock
+    kernels, whose ratio is 0.81-0.87 in most), and a flip changes both speed and bfloat16
+    rounding from one run to the next."""
     layers = _bfloat16_cpu_linears(model)
     if not layers:
         return False
@@ -194,7 +208,26 @@ def two_rows_pay(model: torch.nn.Module) -> bool:
     if shape[0] * shape[1] < MIN_JUDGED_WEIGHT:
         return False
     weight = next(module.weight for module in layers if tuple(module.weight.shape) == shape)
-    return row_pair_ratio(weight.detach()) <= ROW_PAIR_GAIN
+    ratios = [row_pair_ratio(weight.detach())]
+    if history_dir is not None:
+        history = row_pair_history(history_dir, machine, shape)
+        ratios = (_read_ratios(history) + ratios)[-REMEMBERED_RATIOS:]
+        write_json(history, {"row_pair_ratios": ratios})
+    return statistics.median(ratios) <= ROW_PAIR_GAIN
+
+
+def row_pair_history(history_dir: Path, machine: str, shape: tuple[int, ...]) -> Path:
+    """The file of the latest row-pair ratios for `machine`, this torch build and thread count, and `shape`."""
+    key = json.dumps([machine, torch.__version__, torch.get_num_threads(), list(shape)])
+    return history_dir / f"row-pairs-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def _read_ratios(path: Path) -> list[float]:
+    try:
+        ratios = json.loads(path.read_text(encoding="utf-8"))["row_pair_ratios"]
+        return [float(r) for r in ratios if isinstance(r, (int, float)) and r > 0]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # none yet, or unreadable: this load's own timing decides
 
 
 def set_cpu_linear(model: torch.nn.Module, linear: str, enabled: bool = True) -> None:
