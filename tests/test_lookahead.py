@@ -17,10 +17,9 @@ from speccli.engine.lookahead import (
     LookaheadDrafter,
     LookaheadGate,
     LookaheadShape,
-    LookupOutcome,
+    break_even_gain,
     choose_shape,
 )
-from speccli.engine.policy import StepCosts
 from speccli.engine.tree import ROOT, TokenTree, TreeShape
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, encode
 
@@ -129,21 +128,6 @@ class TestPool:
         assert drafter.lookup_length == 3
 
 
-    def test_settling_a_tree_notes_what_the_lookup_guess_alone_would_have_had_accepted(self):
-        drafter = LookaheadDrafter(LookaheadShape(window=2, ngram=3, guesses=1))
-        context = [1, 2, 3, 4, 2, 5, 6, 7, 8, 1, 2]
-        drafter.start(context)
-        tree = drafter.propose_tree(context, TreeShape(max_depth=2, max_nodes=8), SamplingConfig(), None)
-        # The guess after (1, 2): 3, 4; the pool's latest n-gram after 2: 5, 6.
-        assert (tree.tokens, tree.parents) == ([3, 4, 5, 6], [ROOT, 0, ROOT, 2])
-        drafter.settle_tree([2, 3])  # the target took the pool's n-gram
-        assert drafter.lookup_outcome == LookupOutcome(length=2, right=0)
-        drafter.rollback(len(context))  # the same step again
-        drafter.propose_tree(context, TreeShape(max_depth=2, max_nodes=8), SamplingConfig(), None)
-        assert drafter.lookup_outcome is None  # until the step is settled
-        drafter.settle_tree([0])
-        assert drafter.lookup_outcome == LookupOutcome(length=2, right=1)
-
     def test_a_cold_start_forgets_the_pool_and_the_window(self):
         drafter = LookaheadDrafter(LookaheadShape(window=2, ngram=3, guesses=1))
         drafter.start([1, 2, 3, 1, 2, 4])
@@ -193,6 +177,12 @@ class TestShapeChoice:
     def test_without_measurements_the_default(self):
         assert choose_shape(None) == DEFAULT_SHAPE
 
+    def test_break_even_is_what_the_larger_pass_costs_more(self):
+        costs = {1: 0.2, 7: 0.25, 17: 0.3}
+        assert break_even_gain(costs, LookaheadShape(2, 3, 1)) == pytest.approx(0.25)
+        assert break_even_gain(costs, LookaheadShape(5, 3, 3)) == pytest.approx(0.5)
+        assert break_even_gain({1: 0.3, 7: 0.2}, LookaheadShape(2, 3, 1)) == 0.0
+        assert break_even_gain(None, DEFAULT_SHAPE) == 0.0
 
 
 @pytest.mark.parametrize("k", [2, 3, "auto"])
@@ -291,84 +281,50 @@ def test_no_pass_is_larger_than_the_largest_measured(pairs, tokenizer):
     assert any(e.tree and 5 < e.fed <= 13 and e.drafted > 4 for e in steps)  # a long guess, no window
 
 
-def costs(seconds: dict[int, float]) -> StepCosts:
-    """A cost curve for the gate (sizes between those given cost what the next smaller does)."""
-    curve = StepCosts()
-    curve.seed(seconds, None)
-    return curve
-
-
-# A 7-token lookahead pass costs 1.2x a plain one; the lookup guess's chains (2-3 tokens) what a plain one does.
-COSTS = costs({1: 0.10, 7: 0.12})
-
-
 class TestGate:
     @staticmethod
-    def run(gate: LookaheadGate, steps: list[tuple[int, int]], guess: int = 2) -> str:
-        """Feed the gate steps: lookahead ones accept the first of the next (accepted, of
-        which the lookup guess alone) pair, over 7-token passes, the guess `guess` tokens
-        long. L or . per step."""
-        chosen, found = [], iter(steps)
-        outcome: list[LookupOutcome | None] = [None]
-        gate.lookup_outcome = lambda: outcome[0]
-        for i in range(len(steps)):
+    def run(gate: LookaheadGate, accepted: list[int]) -> str:
+        """Feed the gate steps, lookahead ones accepting the next of `accepted`: L or . per step."""
+        chosen, found = [], iter(accepted)
+        for i in range(len(accepted)):
             k = gate.next_k()
-            chosen.append("L" if gate.lookahead_step else ".")
-            accepted, alone = next(found)
-            if gate.lookahead_step:
-                outcome[0] = LookupOutcome(guess, alone)
-                gate.observe(StepEvent(i, k, accepted, 0.0, 0.13, fed=7, tree=True))
+            chosen.append("L" if k else ".")
+            if k:
+                gate.observe(StepEvent(i, k, next(found), 0.0, 0.13, fed=17, tree=True))
             else:
+                next(found)
                 gate.observe(StepEvent(i, 0, 0, 0.0, 0.10, fed=1))
         return "".join(chosen)
 
-    def test_where_nothing_is_accepted_other_steps_follow_with_probes_that_back_off(self):
-        gate = LookaheadGate(2, COSTS, window=4, probe_every=8, max_backoff=2)
+    def test_where_nothing_is_accepted_plain_steps_follow_with_probes_that_back_off(self):
+        gate = LookaheadGate(2, window=4, probe_every=8, max_backoff=2)
         steps = 4 + 8 + 4 + 16 + 4 + 32 + 4 + 32 + 4
-        assert self.run(gate, [(0, 0)] * steps) == (
+        assert self.run(gate, [0] * steps) == (
             "LLLL" + "." * 8 + "LLLL" + "." * 16 + "LLLL" + "." * 32 + "LLLL" + "." * 32 + "LLLL"
         )
 
-    def test_where_the_window_adds_enough_to_the_guess_lookahead_stays_on(self):
-        # 1.25 tokens a step for 0.12 s against the guess's 1.0 (or a plain step) for 0.10.
-        assert self.run(LookaheadGate(2, COSTS, window=4), [(0, 0), (0, 0), (0, 0), (1, 0)] * 10) == "L" * 40
+    def test_where_guesses_come_true_now_and_then_lookahead_stays_on(self):
+        gate = LookaheadGate(2, window=4)
+        assert self.run(gate, [0, 0, 0, 1] * 10) == "L" * 40
 
-    def test_where_prompt_lookups_guess_alone_is_as_fast_lookahead_goes_off(self):
-        # 1.5 tokens a step: 1.25x plain, but the guess alone got the same tokens from a cheaper pass.
-        gate = LookaheadGate(2, COSTS, window=4, probe_every=8)
-        assert self.run(gate, [(1, 1), (0, 0)] * 6) == "LLLL" + "." * 8
-        # Where the window adds a token the guess missed, now and then, the larger pass pays.
-        gate = LookaheadGate(2, COSTS, window=4, probe_every=8)
-        assert self.run(gate, [(1, 1), (1, 0)] * 6) == "L" * 12
-
-    def test_a_longer_guess_is_priced_as_its_longer_chain(self):
-        # The same tokens as lookahead's: as fast where the guess's chain is as large as
-        # lookahead's pass (6 guessed), faster where it is a plain pass's size (1 guessed).
-        steps = [(1, 1), (0, 0), (0, 0), (0, 0)] * 3
-        assert self.run(LookaheadGate(2, COSTS, window=4, probe_every=8), steps, guess=6) == "L" * 12
-        assert self.run(LookaheadGate(2, COSTS, window=4, probe_every=8), steps, guess=1) == "LLLL" + "." * 8
-
-    def test_the_bar_is_a_share_of_the_better_alternative(self):
-        steps = [(0, 0), (0, 0), (0, 0), (1, 0)] * 3  # 1.04x plain's rate
-        assert self.run(LookaheadGate(2, COSTS, window=4, probe_every=8, bar=1.1), steps) == "LLLL" + "." * 8
-        # Nothing accepted: 0.83x plain's rate.
-        assert self.run(LookaheadGate(2, COSTS, window=4, probe_every=8, bar=0.8), [(0, 0)] * 12) == "L" * 12
+    def test_gains_well_below_what_the_larger_pass_costs_turn_lookahead_off(self):
+        # One token in four steps: on for a pass 40% dearer (half of that is the bar), off for one 60% dearer.
+        assert self.run(LookaheadGate(2, break_even=0.4, window=4), [0, 0, 0, 1] * 3) == "L" * 12
+        assert self.run(LookaheadGate(2, break_even=0.6, window=4, probe_every=8), [0, 0, 0, 1] * 3) == "LLLL" + "." * 8
+        # Without the margin, the break-even itself is the bar.
+        gate = LookaheadGate(2, break_even=0.3, window=4, probe_every=8, margin=1.0)
+        assert self.run(gate, [0, 0, 0, 1] * 3) == "LLLL" + "." * 8
 
     def test_the_window_slides_over_the_latest_steps(self):
-        gate = LookaheadGate(2, COSTS, window=4, probe_every=8)
-        # A token the guess missed in each of the first four steps, then none: the window's
-        # 1.75, 1.5, 1.25 tokens a step still beat a plain step's rate, its 1.0 does not.
-        assert self.run(gate, [(1, 0)] * 4 + [(0, 0)] * 10) == "L" * 8 + "." * 6
+        gate = LookaheadGate(2, break_even=0.5, window=4, probe_every=8, margin=1.0)
+        # A token in each of the first four steps; the window's mean then falls to 0.75, 0.5.
+        assert self.run(gate, [1, 1, 1, 1, 0, 0] + [0] * 8) == "LLLLLL" + "." * 8
 
     def test_a_probe_that_pays_keeps_lookahead_on_and_resets_the_backoff(self):
-        gate = LookaheadGate(2, COSTS, window=4, probe_every=8)
-        assert self.run(gate, [(0, 0)] * 12) == "LLLL" + "." * 8
-        assert self.run(gate, [(1, 0)] + [(0, 0)] * 3 + [(2, 0)] * 26) == "L" * 30
-        assert self.run(gate, [(0, 0)] * 12) == "LLLL" + "." * 8  # the next pause is 8 again, not 16
-
-    def test_without_measured_costs_every_pass_is_priced_alike(self):
-        # Then the tree, which holds the guess, is never worse than the guess alone.
-        assert self.run(LookaheadGate(2, window=4, probe_every=8), [(0, 0)] * 12) == "L" * 12
+        gate = LookaheadGate(2, window=4, probe_every=8)
+        assert self.run(gate, [0] * 12) == "LLLL" + "." * 8
+        assert self.run(gate, [1] + [0] * 3 + [2] * 26) == "L" * 30
+        assert self.run(gate, [0] * 12) == "LLLL" + "." * 8  # the next pause is 8 again, not 16
 
     def test_while_off_the_meanwhile_policy_drafts_and_learns(self):
         from speccli.engine.policy import FixedDraftLength
@@ -382,13 +338,13 @@ class TestGate:
                 self.seen.append(step)
 
         meanwhile = Recorder()
-        gate = LookaheadGate(2, COSTS, lambda: LookupOutcome(2, 0), window=4, probe_every=8, meanwhile=meanwhile)
+        gate = LookaheadGate(2, window=4, probe_every=8, meanwhile=meanwhile)
         ks, kinds = [], []
         for i in range(6):
             ks.append(gate.next_k())
             kinds.append(gate.lookahead_step)
             if gate.lookahead_step:
-                gate.observe(StepEvent(i, 2, 0, 0.0, 0.13, fed=7, tree=True))
+                gate.observe(StepEvent(i, 2, 0, 0.0, 0.13, fed=17, tree=True))
             else:
                 gate.observe(StepEvent(i, 5, 3, 0.0, 0.12, fed=6))
         assert ks == [2, 2, 2, 2, 5, 5] and kinds == [True] * 4 + [False] * 2
@@ -401,19 +357,20 @@ class TestGate:
         meanwhile = AdaptiveDraftLength(max_k=16)
         meanwhile.costs.seed({1: 0.10, 17: 0.20}, None)
         gate = LookaheadGate(2, window=4, meanwhile=meanwhile)
-        assert gate.costs is meanwhile.costs  # and prices lookahead's steps by them
         gate.next_k()
         gate.observe(StepEvent(0, 2, 1, 0.0, 0.14, fed=17, tree=True))
         assert meanwhile.costs.verify[17] == pytest.approx(0.7 * 0.20 + 0.3 * 0.14)  # blended as its own steps are
         assert meanwhile._tried == [0.0] * 16  # and nothing about acceptance
 
-    def test_a_gate_needs_a_window_a_draft_length_and_a_bar(self):
+    def test_a_gate_needs_a_window_and_a_draft_length(self):
         with pytest.raises(ValueError):
             LookaheadGate(0)
         with pytest.raises(ValueError):
             LookaheadGate(2, window=0)
         with pytest.raises(ValueError):
-            LookaheadGate(2, bar=0.0)
+            LookaheadGate(2, break_even=-0.1)
+        with pytest.raises(ValueError):
+            LookaheadGate(2, margin=0.0)
 
 
 def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
@@ -423,6 +380,6 @@ def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
     decoder.costs = CostProfile({1: 0.1, **{fed: 0.12 for fed in range(2, 18)}}, None)
     gate = decoder._policy_for(SpecConfig(k="auto", max_new_tokens=8))
     assert isinstance(gate, LookaheadGate) and gate.k == DEFAULT_SHAPE.ngram - 1
-    assert gate.costs is gate.meanwhile.costs and gate.costs.verify_seconds(17) == pytest.approx(0.12)
+    assert gate.break_even == pytest.approx(0.2)  # a 17-token pass costs 1.2x a one-token pass
     fixed = decoder._policy_for(SpecConfig(k=3, max_new_tokens=8))
     assert isinstance(fixed, FixedDraftLength) and fixed.k == 3

@@ -34,7 +34,7 @@ from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
 from speccli.engine.text import Detokenizer, OutputText
 from speccli.engine.context import check_fits
 from speccli.engine.lookahead import DEFAULT_SHAPE as DEFAULT_LOOKAHEAD
-from speccli.engine.lookahead import LookaheadDrafter, LookaheadGate
+from speccli.engine.lookahead import LookaheadDrafter, LookaheadGate, break_even_gain
 from speccli.engine.lookahead import choose_shape as choose_lookahead_shape
 from speccli.engine.tree import TreeShape, kept_offsets, verify_tree_greedy, verify_tree_sampled
 
@@ -264,9 +264,8 @@ class SpeculativeDecoder:
             lookup = self._adaptive_policy(spec)
             if shape is None:
                 return lookup
-            # k auto also turns lookahead steps off while prompt lookup alone would do as well.
-            drafter = self.drafter
-            return LookaheadGate(shape.ngram - 1, lookup.costs, lambda: drafter.lookup_outcome, meanwhile=lookup)
+            # k auto also turns lookahead steps off while they accept too little to pay.
+            return LookaheadGate(shape.ngram - 1, break_even_gain(measured, shape), meanwhile=lookup)
         if isinstance(spec.k, int):
             return FixedDraftLength(spec.k)
         return self._adaptive_policy(spec)

@@ -17,9 +17,9 @@ exactly the target's.
 
 W, N and G (n-grams verified) are chosen from the measured pass costs: the shape with the
 best expected tokens per second. Where none beats plain decoding, and with k auto while
-`LookaheadGate` finds that prompt lookup's guess alone would do as well on the text at hand
-(it tries lookahead steps again now and then), the steps are prompt lookup's with its own
-k auto (`--draft ngram`): chains where the text repeats itself, plain steps
+`LookaheadGate` finds that lookahead's steps accept too little on the text at hand to pay
+for their larger passes (it tries them again now and then), the steps are prompt lookup's
+with its own k auto (`--draft ngram`): chains where the text repeats itself, plain steps
 where it does not.
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Sequence
 
 import torch
 
@@ -111,14 +111,13 @@ def choose_shape(pass_seconds: dict[int, float] | None) -> LookaheadShape | None
     return best
 
 
-@dataclass(frozen=True)
-class LookupOutcome:
-    """What prompt lookup's guess in a lookahead step's tree would have given as a chain
-    of its own: `length` tokens verified, `right` of them on the accepted path (the path
-    follows the guess while it is right: the guess is one of the tree's branches)."""
-
-    length: int
-    right: int
+def break_even_gain(pass_seconds: dict[int, float] | None, shape: LookaheadShape) -> float:
+    """Extra tokens per step a shape's steps must accept to pay for their larger pass (0
+    without measurements)."""
+    if not pass_seconds or 1 not in pass_seconds:
+        return 0.0
+    cost = pass_cost(pass_seconds, shape.fed)
+    return 0.0 if cost is None else max(0.0, cost / pass_seconds[1] - 1)
 
 
 @dataclass(frozen=True)
@@ -158,8 +157,6 @@ class LookaheadDrafter:
         self.lookup = PromptLookupDrafter()
         self.lookup_length = self._shortest_lookup()
         self._last_lookup: tuple[int, list[int]] | None = None  # (context length, the guess) of the last step
-        self._tree: tuple[int, TokenTree, list[int]] | None = None  # (context length, tree, lookup guess) of a tree step
-        self.lookup_outcome: LookupOutcome | None = None  # of the latest lookahead step
 
     @property
     def verifies_trees(self) -> bool:
@@ -239,33 +236,14 @@ class LookaheadDrafter:
     ) -> TokenTree:
         """Prompt lookup's guess, then the pool's n-grams that start with the pending token,
         the latest first."""
-        self.lookup_outcome = None
         if self.shape is None:
-            tree = self.lookup.propose_tree(context, shape, sampling, generator, noise)  # `--tree` without lookahead
-            self._tree = (len(context), tree, [])
-            return tree
+            return self.lookup.propose_tree(context, shape, sampling, generator, noise)  # `--tree` without lookahead
         if shape.max_depth <= 0:
             return TokenTree([], [])
         self._index(context)
         entries = self.pool.get(context[-1], {})
         latest = [list(c[: shape.max_depth]) for c in reversed(list(entries))][: self.shape.guesses]
-        guess = self._lookup_guess(context, shape.max_nodes)
-        tree = trie([guess, *latest], shape.max_nodes)
-        self._tree = (len(context), tree, guess)
-        return tree
-
-    def settle_tree(self, path: Sequence[int]) -> None:
-        """The target accepted `path` of the last tree: note what prompt lookup's guess
-        alone would have had accepted (`lookup_outcome`, for LookaheadGate), and go back to
-        the context plus that path."""
-        if self._tree is None:
-            return
-        length, tree, guess = self._tree
-        self._tree = None
-        if self.shape is not None:
-            right = common_prefix_length(guess, [tree.tokens[node] for node in path])
-            self.lookup_outcome = LookupOutcome(len(guess), right)
-        self.rollback(length + len(path))
+        return trie([self._lookup_guess(context, shape.max_nodes), *latest], shape.max_nodes)
 
     def branch(self, context: Sequence[int]) -> Branch | None:
         """This pass's lookahead branch (None without a shape)."""
@@ -304,67 +282,58 @@ class LookaheadDrafter:
         """The pool holds guesses, right or wrong, and the window is relative to the
         pending token: only the record of what text was pooled goes back. Back to nothing
         (a cold start) everything is forgotten, so no earlier generation's n-grams help."""
-        self._tree = None
         self._indexed = min(self._indexed, max(0, length - (self.shape.ngram if self.shape else 0) + 1))
         self.lookup.rollback(length)
         if length == 0:
             self._forget()
 
 
-class PassCosts(Protocol):
-    def verify_seconds(self, fed: int) -> float | None:
-        """Seconds of a target pass over `fed` tokens (None: nothing measured yet)."""
-        ...
-
-
 class LookaheadGate:
-    """k auto for lookahead decoding: lookahead steps while they beat prompt lookup alone.
+    """k auto for lookahead decoding: lookahead steps, but other steps while they do not pay.
 
-    A lookahead step verifies prompt lookup's guess and the pool's n-grams as one tree, the
-    Jacobi window beside it: a larger pass than a chain of that guess alone. So each lookahead
-    step is paired with what the guess alone would have given on the same text
-    (`lookup_outcome`: its tokens on the accepted path, plus one, for a pass over the
-    guess and the pending token), and with a plain step. When, over the last `window`
-    lookahead steps, their tokens per second fall below `bar` x the better of those two,
-    the `meanwhile` policy's steps follow (prompt lookup's k auto: chains of the text's own
-    n-grams where they pay, else plain steps; plain steps without one); after `probe_every`
-    of them (doubled after each probe that did not pay either, up to `max_backoff`
-    doublings) lookahead steps are tried again, judged on a fresh window.
-
-    Seconds are the cost curve (`costs`: the calibration, refined by the steps), not each
-    step's clock: a shared CPU's steps are too noisy to judge a few by (a rule that compared
-    moving averages of them turned lookahead off on a CPU where it paid, 1.16x plain
-    decoding instead of 1.38x). Pairing on the same steps takes the text out of the
-    comparison. The earlier bar, extra tokens against what the larger pass costs over a
-    plain one, let lookahead run where prompt lookup alone was as fast: on a 2-core AMD EPYC
-    (bfloat16, 7-token passes) the window and pool added 0.13 tokens a step to the guess's
-    0.39, 1.02x its rate on the median prompt, 0.98x on some.
+    A lookahead step's pass is larger than a plain step's (the window rides along), so its
+    guesses must accept `break_even` extra tokens per step on average to pay for it (from
+    the measured pass costs). On text that never repeats itself they accept nothing and
+    every step pays that extra for nothing (0.75x plain decoding on an H200 with
+    random-weight models). When the last `window` lookahead steps accepted no more than
+    `margin` x `break_even` extra tokens per step, the `meanwhile` policy's steps follow
+    (prompt lookup's k auto: chains of the text's own n-grams where they pay, else plain
+    steps; plain steps without one); after `probe_every` of them
+    (doubled after each probe that did not pay either, up to `max_backoff` doublings)
+    lookahead steps are tried again, judged on a fresh window. The rule counts accepted
+    tokens, not seconds: a step's seconds are too noisy on a shared CPU to judge a few
+    steps by (a rule that compared moving averages of them turned lookahead off on a CPU
+    where it paid, 1.16x plain decoding instead of 1.38x). Over a window, not a run of
+    failures: on chat text the window's n-grams come true now and then. A window's mean is
+    a noisy estimate, hence the margin and the 32 steps: with 16 steps and the break-even
+    itself as the bar, chat text that brought 0.36 extra tokens per step against a
+    break-even of 0.16 (a Xeon with AMX) fell below it now and then, and a third of its
+    steps ran plain; text that brings nothing still turns lookahead off after 32 steps.
     """
 
     def __init__(
         self,
         k: int,
-        costs: PassCosts | None = None,
-        lookup_outcome: Callable[[], LookupOutcome | None] | None = None,
+        break_even: float = 0.0,
         window: int = 32,
         probe_every: int = 16,
         max_backoff: int = 3,
-        bar: float = 1.0,
+        margin: float = 0.5,
         meanwhile: DraftLengthPolicy | None = None,
     ) -> None:
-        if k < 1 or window < 1 or bar <= 0:
-            raise ValueError(f"need k >= 1, window >= 1 and bar > 0, got {k}, {window}, {bar}")
+        if k < 1 or window < 1 or break_even < 0 or not 0 < margin <= 1:
+            raise ValueError(
+                f"need k >= 1, window >= 1, break_even >= 0 and 0 < margin <= 1, got {k}, {window}, {break_even}, {margin}"
+            )
         self.k = k
-        self.costs = costs if costs is not None else getattr(meanwhile, "costs", None)
-        self.lookup_outcome = lookup_outcome
-        self.bar = bar
+        self.break_even = break_even
+        self.margin = margin
         self.window = window
         self.probe_every = probe_every
         self.max_backoff = max_backoff
         self.meanwhile = meanwhile
         self.on = True
-        # The latest lookahead steps: (tokens, seconds) of each, and of the guess alone.
-        self._recent: deque[tuple[int, float, int, float]] = deque(maxlen=window)
+        self._recent: deque[int] = deque(maxlen=window)  # tokens accepted by the latest lookahead steps
         self._steps_off = 0  # steps without lookahead since it went off
         self._failed_runs = 0
 
@@ -381,16 +350,6 @@ class LookaheadGate:
         """Whether the step `next_k` was just asked for is a lookahead step."""
         return self.on
 
-    def _seconds(self, fed: int) -> float:
-        seconds = self.costs.verify_seconds(fed) if self.costs is not None else None
-        return seconds if seconds else 1.0  # nothing measured: every pass alike
-
-    def rates(self) -> tuple[float, float]:
-        """Tokens per second over the latest lookahead steps, and the better of prompt
-        lookup's guess alone and plain steps over the same steps."""
-        tokens, seconds, alone, alone_seconds = (sum(column) for column in zip(*self._recent))
-        return tokens / seconds, max(alone / alone_seconds, 1 / self._seconds(1))
-
     def observe(self, step: StepEvent) -> None:
         if not step.tree or step.fed <= 1:  # not a lookahead step
             self._steps_off += 1
@@ -400,14 +359,10 @@ class LookaheadGate:
         costs = getattr(self.meanwhile, "costs", None)
         if costs is not None:
             costs.observe(step)  # a pass's cost is the same whatever it verifies
-        outcome = (self.lookup_outcome() if self.lookup_outcome else None) or LookupOutcome(0, 0)
-        self._recent.append(
-            (step.tokens, self._seconds(step.fed), outcome.right + 1, self._seconds(outcome.length + 1))
-        )
+        self._recent.append(step.accepted)
         if len(self._recent) < self.window:
             return
-        lookahead, alone = self.rates()
-        if lookahead >= self.bar * alone:
+        if sum(self._recent) / self.window > self.margin * self.break_even:
             self._failed_runs = 0
         elif self.on:
             self.on, self._steps_off = False, 0
