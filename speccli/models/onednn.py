@@ -192,11 +192,11 @@ def two_rows_pay(model: torch.nn.Module, history_dir: Path | None = None, machin
     """Whether one-row bfloat16 products of `model` run faster as two rows on this CPU,
     measured on the weight shape that holds most of its linear parameters.
 
-    With `history_dir`, the ratio is added to those of the latest loads on this `machine`
-    (its CPU's name), torch build, thread count and weight shape, and their median decides: one load's timing on a
-    shared VM is not stable enough (on a 2-core AMD EPYC, 2 loads of 6 in a day kept stock
-    kernels, whose ratio is 0.81-0.87 in most), and a flip changes both speed and bfloat16
-    rounding from one run to the next."""
+    With `history_dir`, the ratio joins those of the latest loads on this `machine` (its
+    CPU's name), torch build, thread count and weight shape, and their median decides: one
+    load's timing on a shared VM is not stable enough (on a 2-core AMD EPYC, 2 loads of 6 in
+    a day kept stock kernels, where most timed two rows at 0.81-0.87 of one), and a flip
+    changes both the speed and bfloat16's rounding from one run to the next."""
     layers = _bfloat16_cpu_linears(model)
     if not layers:
         return False
