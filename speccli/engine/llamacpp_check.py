@@ -14,7 +14,6 @@ slower and correct.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import subprocess
@@ -56,6 +55,7 @@ def _library_identity() -> dict[str, object]:
 
 def check_key(model_path: Path) -> str:
     from speccli.models.loading import cpu_name
+    from speccli.models.offline import identity_digest
 
     stat = model_path.stat()
     identity = {
@@ -63,7 +63,7 @@ def check_key(model_path: Path) -> str:
         "cpu": cpu_name(),
         **_library_identity(),
     }
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    return identity_digest(identity)
 
 
 def _verdicts_path(cache_dir: Path | None) -> Path:

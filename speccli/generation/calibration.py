@@ -9,7 +9,6 @@ measured on a busier machine is dropped and measured again (`drop_if_overstated`
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -63,9 +62,8 @@ def calibration_identity(pipeline: Pipeline, max_fed: int) -> dict[str, Any]:
 
 
 def calibration_path(identity: dict[str, Any], cache_dir: Path | None = None) -> Path:
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
-    return root / "calibration" / f"{digest}.json"
+    return root / "calibration" / f"{offline.identity_digest(identity)}.json"
 
 
 def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:

@@ -288,6 +288,11 @@ def _sidecar_ok(sidecar: Path, model: OfflineModel, path: Path) -> bool:
     )
 
 
+def identity_digest(identity: object) -> str:
+    """A short, stable name for a cache entry from what it depends on (JSON-able)."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+
+
 def write_json(path: Path, payload: object) -> None:
     """Write `payload` as JSON to `path` whole or not at all (a temporary file beside it, then a
     rename). Best effort: a read-only or full cache only costs its work again next time."""

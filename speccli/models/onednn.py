@@ -19,7 +19,6 @@ passes). The same weight tensors are used: nothing is copied or re-packed.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import statistics
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from speccli.models.offline import write_json
+from speccli.models.offline import identity_digest, write_json
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -218,8 +217,8 @@ def two_rows_pay(model: torch.nn.Module, history_dir: Path | None = None, machin
 
 def row_pair_history(history_dir: Path, machine: str, shape: tuple[int, ...]) -> Path:
     """The file of the latest row-pair ratios for `machine`, this torch build and thread count, and `shape`."""
-    key = json.dumps([machine, torch.__version__, torch.get_num_threads(), list(shape)])
-    return history_dir / f"row-pairs-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    key = [machine, torch.__version__, torch.get_num_threads(), list(shape)]
+    return history_dir / f"row-pairs-{identity_digest(key)}.json"
 
 
 def _read_ratios(path: Path) -> list[float]:
