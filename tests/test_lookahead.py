@@ -261,6 +261,35 @@ def test_where_neither_lookahead_nor_prompt_lookup_pays_plain_decoding(pairs, to
     assert all(e.provenance.value == "target" for e in events if isinstance(e, TokenEvent))
 
 
+def test_with_tree_the_steps_the_gate_holds_back_are_prompt_lookups_trees(pairs, tokenizer):
+    from speccli.engine.drafters import PromptLookupDrafter
+    from test_decoder_greedy import target_greedy
+
+    # Nearly flat costs: lookahead's shape pays, and its gate is made to hold it back throughout.
+    costs = CostProfile({1: 0.1, **{fed: 0.11 for fed in range(2, 18)}}, None)
+    pair = pairs[0]
+    decoders = {}
+    for name, drafter in (("lookahead", LookaheadDrafter()), ("ngram", PromptLookupDrafter())):
+        decoders[name] = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], drafter)
+        decoders[name].costs = costs
+        virtual_clock(decoders[name], costs.verify_seconds)
+    tree_auto = SpecConfig(k="auto", max_new_tokens=MAX_NEW, tree=True)
+    gate = decoders["lookahead"]._policy_for(tree_auto)
+    assert isinstance(gate, LookaheadGate)
+    gate.on, gate._failed_runs, gate.probe_every = False, 1, 10**6
+    decoders["lookahead"]._policy_for = lambda spec: gate
+    tree_steps = 0
+    for prompt in PROMPTS:
+        ids = encode(tokenizer, prompt)
+        runs = {name: list(d.generate(ids, SamplingConfig(), tree_auto)) for name, d in decoders.items()}
+        assert emitted(runs["lookahead"]) == target_greedy(pair.target, ids), prompt
+        # The passes `--draft ngram --tree` makes: its trees, no window beside them.
+        assert step_record(runs["lookahead"]) == step_record(runs["ngram"]), prompt
+        tree_steps += sum(tree and fed > 1 for fed, _, _, tree in step_record(runs["lookahead"]))
+    assert tree_steps > 0
+    assert not gate.on and not gate._recent  # its trees were not taken for lookahead's
+
+
 def test_no_pass_is_larger_than_the_largest_measured(pairs, tokenizer):
     from test_decoder_greedy import target_greedy
 
@@ -350,6 +379,10 @@ class TestGate:
         assert ks == [2, 2, 2, 2, 5, 5] and kinds == [True] * 4 + [False] * 2
         # Its own steps reach it; lookahead's do not (their tokens are not its drafts).
         assert [e.step for e in meanwhile.seen] == [4, 5]
+        # Its trees (prompt lookup's, with --tree) are its own steps too.
+        gate.next_k()
+        gate.observe(StepEvent(6, 5, 3, 0.0, 0.12, fed=9, tree=True))
+        assert [e.step for e in meanwhile.seen] == [4, 5, 6] and not gate.lookahead_step
 
     def test_lookahead_steps_teach_the_meanwhile_policy_what_passes_cost(self):
         from speccli.engine.policy import AdaptiveDraftLength

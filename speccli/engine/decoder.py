@@ -197,13 +197,19 @@ class SpeculativeDecoder:
             # The output position of the next token: the coupled rule's noise is chosen by it.
             next_position = len(context) - len(prompt_ids)
             step += 1
+            tree_policy = policy
             if getattr(self.drafter, "verifies_trees", False):
-                # Lookahead's steps are its own trees, when its gate lets them run.
-                trees = getattr(policy, "lookahead_step", True)
+                # Lookahead's steps are its own trees; those its gate holds back are prompt
+                # lookup's, as `--draft ngram` drafts them: chains, or trees with --tree.
+                lookahead = getattr(policy, "lookahead_step", True)
+                self.drafter.hold(not lookahead)
+                trees = lookahead or spec.tree
+                if not lookahead:
+                    tree_policy = policy.meanwhile
             else:
                 trees = spec.tree
             if k > 0 and trees and hasattr(self.drafter, "propose_tree"):
-                outcome = self._tree_step(context, k, policy, sampling, generator, noise, next_position, step)
+                outcome = self._tree_step(context, k, tree_policy, sampling, generator, noise, next_position, step)
             else:
                 outcome = self._chain_step(context, k, sampling, generator, noise, next_position, step)
             step_event = outcome.event

@@ -157,6 +157,7 @@ class LookaheadDrafter:
         self.lookup = PromptLookupDrafter()
         self.lookup_length = self._shortest_lookup()
         self._last_lookup: tuple[int, list[int]] | None = None  # (context length, the guess) of the last step
+        self.held = False  # this step is prompt lookup's: k auto's gate holds lookahead back
 
     @property
     def verifies_trees(self) -> bool:
@@ -164,6 +165,11 @@ class LookaheadDrafter:
         lookup's guess) and carries the lookahead branch; without one, steps are prompt
         lookup's (`propose`, `propose_tree`)."""
         return self.shape is not None
+
+    def hold(self, held: bool) -> None:
+        """Whether the next step is prompt lookup's (`LookaheadGate` holds lookahead back):
+        its tree, with `--tree`, is prompt lookup's, and no window rides along."""
+        self.held = held
 
     def configure(self, shape: LookaheadShape | None) -> None:
         if shape != self.shape:
@@ -236,7 +242,7 @@ class LookaheadDrafter:
     ) -> TokenTree:
         """Prompt lookup's guess, then the pool's n-grams that start with the pending token,
         the latest first."""
-        if self.shape is None:
+        if self.shape is None or self.held:
             return self.lookup.propose_tree(context, shape, sampling, generator, noise)  # `--tree` without lookahead
         if shape.max_depth <= 0:
             return TokenTree([], [])
@@ -246,8 +252,8 @@ class LookaheadDrafter:
         return trie([self._lookup_guess(context, shape.max_nodes), *latest], shape.max_nodes)
 
     def branch(self, context: Sequence[int]) -> Branch | None:
-        """This pass's lookahead branch (None without a shape)."""
-        if self.shape is None:
+        """This pass's lookahead branch (None without a shape, or while held)."""
+        if self.shape is None or self.held:
             return None
         width = self.shape.window
         if not self.levels:
@@ -297,8 +303,8 @@ class LookaheadGate:
     every step pays that extra for nothing (0.75x plain decoding on an H200 with
     random-weight models). When the last `window` lookahead steps accepted no more than
     `margin` x `break_even` extra tokens per step, the `meanwhile` policy's steps follow
-    (prompt lookup's k auto: chains of the text's own n-grams where they pay, else plain
-    steps; plain steps without one); after `probe_every` of them
+    (prompt lookup's k auto: chains of the text's own n-grams where they pay, trees of them
+    with `--tree`, else plain steps; plain steps without one); after `probe_every` of them
     (doubled after each probe that did not pay either, up to `max_backoff` doublings)
     lookahead steps are tried again, judged on a fresh window. The rule counts accepted
     tokens, not seconds: a step's seconds are too noisy on a shared CPU to judge a few
@@ -351,7 +357,7 @@ class LookaheadGate:
         return self.on
 
     def observe(self, step: StepEvent) -> None:
-        if not step.tree or step.fed <= 1:  # not a lookahead step
+        if not self.on or not step.tree or step.fed <= 1:  # not a lookahead step
             self._steps_off += 1
             if self.meanwhile is not None:
                 self.meanwhile.observe(step)
