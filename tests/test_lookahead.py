@@ -225,30 +225,45 @@ def virtual_clock(decoder: SpeculativeDecoder, seconds: dict[int, float]) -> Non
     decoder._clock = lambda: now[0]
 
 
-def test_where_no_shape_pays_lookahead_makes_the_passes_prompt_lookup_makes(pairs, tokenizer):
+def beside_prompt_lookup(target, tokenizer, costs: CostProfile) -> dict[str, SpeculativeDecoder]:
+    """A lookahead decoder and a `--draft ngram` one over the same target, costs and virtual clock."""
     from speccli.engine.drafters import PromptLookupDrafter
-    from speccli.engine.policy import AdaptiveDraftLength
+
+    decoders = {}
+    for name, drafter in (("lookahead", LookaheadDrafter()), ("ngram", PromptLookupDrafter())):
+        decoders[name] = SpeculativeDecoder(wrap(target), tokenizer, [EOS], drafter)
+        decoders[name].costs = costs
+        virtual_clock(decoders[name], costs.verify_seconds)
+    return decoders
+
+
+def same_passes_as_prompt_lookup(decoders, target, tokenizer, spec: SpecConfig) -> list[tuple[int, int, int, bool]]:
+    """On every prompt, lookahead's output is the target's greedy one and its steps are the
+    `--draft ngram` decoder's, step for step; returns those steps."""
     from test_decoder_greedy import target_greedy
+
+    steps = []
+    for prompt in PROMPTS:
+        ids = encode(tokenizer, prompt)
+        runs = {name: list(d.generate(ids, SamplingConfig(), spec)) for name, d in decoders.items()}
+        assert emitted(runs["lookahead"]) == target_greedy(target, ids), prompt
+        assert step_record(runs["lookahead"]) == step_record(runs["ngram"]), prompt
+        steps += step_record(runs["lookahead"])
+    return steps
+
+
+def test_where_no_shape_pays_lookahead_makes_the_passes_prompt_lookup_makes(pairs, tokenizer):
+    from speccli.engine.policy import AdaptiveDraftLength
 
     # Passes over 2-17 tokens cost 1.6x one: no lookahead shape pays, drafts that come true do.
     costs = CostProfile({1: 0.1, **{fed: 0.16 for fed in range(2, 18)}}, None)
     assert choose_shape(costs.verify_seconds) is None
-    pair = pairs[0]
-    decoders = {}
-    for name, drafter in (("lookahead", LookaheadDrafter()), ("ngram", PromptLookupDrafter())):
-        decoders[name] = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], drafter)
-        decoders[name].costs = costs
-        virtual_clock(decoders[name], costs.verify_seconds)
+    target = pairs[0].target
+    decoders = beside_prompt_lookup(target, tokenizer, costs)
     auto = SpecConfig(k="auto", max_new_tokens=MAX_NEW)
     assert isinstance(decoders["lookahead"]._policy_for(auto), AdaptiveDraftLength)
-    drafted = 0
-    for prompt in PROMPTS:
-        ids = encode(tokenizer, prompt)
-        runs = {name: list(d.generate(ids, SamplingConfig(), auto)) for name, d in decoders.items()}
-        assert emitted(runs["lookahead"]) == target_greedy(pair.target, ids), prompt
-        assert step_record(runs["lookahead"]) == step_record(runs["ngram"]), prompt
-        drafted += sum(drafted for _, drafted, _, _ in step_record(runs["lookahead"]))
-    assert drafted > 0  # the text's own n-grams were drafted, not only plain steps
+    steps = same_passes_as_prompt_lookup(decoders, target, tokenizer, auto)
+    assert sum(drafted for _, drafted, _, _ in steps) > 0  # the text's own n-grams were drafted, not only plain steps
 
 
 def test_where_neither_lookahead_nor_prompt_lookup_pays_plain_decoding(pairs, tokenizer):
@@ -262,31 +277,18 @@ def test_where_neither_lookahead_nor_prompt_lookup_pays_plain_decoding(pairs, to
 
 
 def test_with_tree_the_steps_the_gate_holds_back_are_prompt_lookups_trees(pairs, tokenizer):
-    from speccli.engine.drafters import PromptLookupDrafter
-    from test_decoder_greedy import target_greedy
-
     # Nearly flat costs: lookahead's shape pays, and its gate is made to hold it back throughout.
     costs = CostProfile({1: 0.1, **{fed: 0.11 for fed in range(2, 18)}}, None)
-    pair = pairs[0]
-    decoders = {}
-    for name, drafter in (("lookahead", LookaheadDrafter()), ("ngram", PromptLookupDrafter())):
-        decoders[name] = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], drafter)
-        decoders[name].costs = costs
-        virtual_clock(decoders[name], costs.verify_seconds)
+    target = pairs[0].target
+    decoders = beside_prompt_lookup(target, tokenizer, costs)
     tree_auto = SpecConfig(k="auto", max_new_tokens=MAX_NEW, tree=True)
     gate = decoders["lookahead"]._policy_for(tree_auto)
     assert isinstance(gate, LookaheadGate)
     gate.on, gate._failed_runs, gate.probe_every = False, 1, 10**6
     decoders["lookahead"]._policy_for = lambda spec: gate
-    tree_steps = 0
-    for prompt in PROMPTS:
-        ids = encode(tokenizer, prompt)
-        runs = {name: list(d.generate(ids, SamplingConfig(), tree_auto)) for name, d in decoders.items()}
-        assert emitted(runs["lookahead"]) == target_greedy(pair.target, ids), prompt
-        # The passes `--draft ngram --tree` makes: its trees, no window beside them.
-        assert step_record(runs["lookahead"]) == step_record(runs["ngram"]), prompt
-        tree_steps += sum(tree and fed > 1 for fed, _, _, tree in step_record(runs["lookahead"]))
-    assert tree_steps > 0
+    # The passes `--draft ngram --tree` makes: its trees, no window beside them.
+    steps = same_passes_as_prompt_lookup(decoders, target, tokenizer, tree_auto)
+    assert any(tree and fed > 1 for fed, _, _, tree in steps)
     assert not gate.on and not gate._recent  # its trees were not taken for lookahead's
 
 
