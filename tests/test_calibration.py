@@ -252,6 +252,34 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
         assert calibrate(third, max_k=auto.max_k) == FLAT and third.decoder.prior is None
 
 
+def test_prompt_lookup_remembers_its_acceptance_by_match_length(folders, tmp_path, monkeypatch):
+    from speccli.engine.drafters import LOOKUP_ACCEPTANCE
+    from speccli.generation.calibration import prior_path, read_prior, remember
+
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: CostProfile(FLAT.verify_seconds, None))
+    pipeline = pipeline_for(folders, draft="ngram")
+    auto = SpecConfig(k="auto", max_new_tokens=48)
+    pipeline.generator().stream([5, 6, 7, 5, 6, 7, 5, 6], SamplingConfig(), auto).run()
+    learned = pipeline.decoder.learned()
+    assert learned.by_match and remember(pipeline, auto.max_k) == learned
+    identity = calibration_identity(pipeline, auto.max_k + 1)
+    saved = read_prior(prior_path(calibration_path(identity)), identity)
+    assert [match for match, _ in saved.by_match] == [match for match, _ in learned.by_match]
+    for match, prior in learned.by_match:
+        assert saved.for_match(match).acceptance == tuple(round(a, 4) for a in prior.acceptance)
+        assert saved.for_match(match).steps == prior.steps
+
+    # The next session starts each match length from what it learned, the others from the default.
+    again = pipeline_for(folders, draft="ngram")
+    again.generator().calibrate(auto.max_k)
+    policy = again.decoder._policy_for(auto)
+    for match in (1, 2, 3):
+        remembered = saved.for_match(match)
+        expected = list(remembered.acceptance) if remembered else list(LOOKUP_ACCEPTANCE[match])
+        assert policy.policy(match).prior[: len(expected)] == expected
+
+
 def test_pass_times_tell_a_calibration_that_overstates_the_costs():
     from speccli.engine.calibration import OVERSTATED_BY, MIN_PASSES, Overstatement, PassTimes
 

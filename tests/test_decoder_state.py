@@ -224,6 +224,52 @@ def test_prompt_lookup_drafts_the_continuation_of_the_latest_longest_match():
     assert drafter.propose([5, 5], 0, SamplingConfig(), None).tokens == []
 
 
+def test_prompt_lookup_says_how_long_a_match_its_draft_follows():
+    drafter = PromptLookupDrafter(max_ngram=3)
+    context = [7, 1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 0, 2, 3]
+    drafter.start(context)
+    assert drafter.match_length(context) == 2  # "2 3", as above
+    assert drafter.match_length(context + [4]) == 3  # "2 3 4"
+    assert drafter.match_length(context + [4, 8]) == 0  # 8 never occurred before
+    assert drafter.match_length(context + [4, 8, 6]) == 1  # "6" did, "8 6" did not
+
+
+class MatchRecorder:
+    """A policy that drafts 2 tokens and records the match lengths the decoder told it."""
+
+    def __init__(self) -> None:
+        self.matches: list[int] = []
+
+    def expect(self, match: int) -> None:
+        self.matches.append(match)
+
+    def next_k(self) -> int:
+        return 2
+
+    def observe(self, step) -> None:
+        pass
+
+
+def test_the_decoder_tells_the_policy_the_match_before_each_step(pairs, tokenizer):
+    drafter = PromptLookupDrafter()
+    decoder = SpeculativeDecoder(wrap(pairs[0].target), tokenizer, [], drafter)
+    policy = MatchRecorder()
+    prompt = encode(tokenizer, "abcab")
+    contexts, context, step_tokens = [], list(prompt), []  # the context at the start of each step
+    for event in decoder.generate(prompt, SamplingConfig(), SpecConfig(max_new_tokens=12), policy):
+        if isinstance(event, StepEvent):  # after the step's tokens
+            contexts.append(list(context))
+            context += [e.token_id for e in step_tokens]
+            step_tokens = []
+        if isinstance(event, TokenEvent):
+            step_tokens.append(event)
+    assert len(policy.matches) == len(contexts) > 1
+    assert policy.matches[0] == 2  # "ab" occurred before
+    fresh = PromptLookupDrafter()
+    fresh.start(prompt)
+    assert policy.matches == [fresh.match_length(context) for context in contexts]
+
+
 def test_events_arrive_in_order_and_count_up(pairs, tokenizer):
     pair = pairs[0]
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [], ModelDrafter(wrap(pair.draft), len(tokenizer)))

@@ -253,7 +253,7 @@ def same_passes_as_prompt_lookup(decoders, target, tokenizer, spec: SpecConfig) 
 
 
 def test_where_no_shape_pays_lookahead_makes_the_passes_prompt_lookup_makes(pairs, tokenizer):
-    from speccli.engine.policy import AdaptiveDraftLength
+    from speccli.engine.policy import DraftLengthByMatch
 
     # Passes over 2-17 tokens cost 1.6x one: no lookahead shape pays, drafts that come true do.
     costs = CostProfile({1: 0.1, **{fed: 0.16 for fed in range(2, 18)}}, None)
@@ -261,7 +261,7 @@ def test_where_no_shape_pays_lookahead_makes_the_passes_prompt_lookup_makes(pair
     target = pairs[0].target
     decoders = beside_prompt_lookup(target, tokenizer, costs)
     auto = SpecConfig(k="auto", max_new_tokens=MAX_NEW)
-    assert isinstance(decoders["lookahead"]._policy_for(auto), AdaptiveDraftLength)
+    assert isinstance(decoders["lookahead"]._policy_for(auto), DraftLengthByMatch)
     steps = same_passes_as_prompt_lookup(decoders, target, tokenizer, auto)
     assert sum(drafted for _, drafted, _, _ in steps) > 0  # the text's own n-grams were drafted, not only plain steps
 

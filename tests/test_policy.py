@@ -234,3 +234,68 @@ def test_prior_acceptance_by_position_is_validated_and_extended():
     for bad in ([], [1.5], -0.1):
         with pytest.raises(ValueError):
             AdaptiveDraftLength(prior_acceptance=bad)
+
+
+# float32 on a 2-core Xeon with AMX: 2 tokens cost 1.15x one, 4 tokens 1.26x, 16 tokens 1.61x.
+XEON_FLOAT32 = {1: 0.248, 2: 0.285, 3: 0.305, 4: 0.312, 8: 0.346, 12: 0.372, 16: 0.400, 17: 0.416}
+
+
+def lookup_policy():
+    from speccli.engine.drafters import LOOKUP_ACCEPTANCE
+    from speccli.engine.policy import DraftLengthByMatch
+
+    policy = DraftLengthByMatch(lambda match: AdaptiveDraftLength(max_k=16, prior_acceptance=LOOKUP_ACCEPTANCE[match]))
+    policy.costs.seed(XEON_FLOAT32, None)
+    return policy
+
+
+def copy_and_chat_steps(policy, steps: int = 60) -> dict[int, list[int]]:
+    """Steps alternating between a 3-token match whose drafts all come true (copied text)
+    and a 1-token match whose drafts never do (chat text): k chosen after each match."""
+    chosen: dict[int, list[int]] = {1: [], 3: []}
+    for i in range(steps):
+        match = 3 if i % 2 else 1
+        if hasattr(policy, "expect"):
+            policy.expect(match)
+        k = policy.next_k()
+        chosen[match].append(k)
+        policy.observe(step(k, k if match == 3 else 0, 0.0, policy.costs.verify_seconds(k + 1)))
+    return chosen
+
+
+def test_prompt_lookup_keeps_acceptance_apart_by_the_length_of_the_match():
+    chosen = copy_and_chat_steps(lookup_policy())
+    assert chosen[3][-10:] == [16] * 10  # copied text: the longest draft (17 tokens fed, the largest pass measured)
+    # Chat text: plain steps, but for a probe now and then (at least 16 steps apart).
+    assert sum(k > 0 for k in chosen[1][-20:]) <= 1 and chosen[1][-20:].count(0) >= 19
+
+    # One acceptance for both (as before): it keeps drafting after the 1-token matches.
+    pooled = AdaptiveDraftLength(max_k=16)
+    pooled.costs.seed(XEON_FLOAT32, None)
+    assert all(k > 0 for k in copy_and_chat_steps(pooled)[1][-20:])
+
+
+def test_prompt_lookup_without_a_match_steps_plainly_and_learns_only_the_cost():
+    policy = lookup_policy()
+    policy.expect(0)
+    assert policy.next_k() == 0
+    policy.observe(step(0, 0, 0.0, 0.5))
+    assert policy.costs.verify[1] == pytest.approx(0.7 * 0.248 + 0.3 * 0.5)  # one measurement, blended once
+    assert policy.learned() is None  # nothing drafted, nothing to remember
+    policy.expect(2)
+    assert policy.next_k() > 0  # the prior: drafts after a 2-token match pay on this curve
+    assert policy.policy(2).costs is policy.costs
+
+
+def test_prompt_lookup_remembers_each_match_length_and_all_pooled():
+    policy = lookup_policy()
+    copy_and_chat_steps(policy, steps=40)
+    learned = policy.learned()
+    assert [match for match, _ in learned.by_match] == [1, 3]
+    one, three = learned.for_match(1), learned.for_match(3)
+    assert one.acceptance[0] < 0.1 < 0.9 < three.acceptance[0]
+    assert learned.for_match(2) is None
+    assert learned.steps == one.steps + three.steps
+    assert learned.acceptance[0] == pytest.approx(
+        (one.acceptance[0] * one.steps + three.acceptance[0] * three.steps) / learned.steps
+    )

@@ -18,7 +18,7 @@ from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.backends import CausalLM, common_prefix_length
 from speccli.engine.calibration import CostProfile, PassTimes
 from speccli.engine.coupling import PositionNoise, perturbed, verify_coupled
-from speccli.engine.drafters import Draft, Drafter
+from speccli.engine.drafters import LOOKUP_ACCEPTANCE, Draft, Drafter
 from speccli.engine.head_drafters import FeatureDrafter
 from speccli.engine.events import (
     Event,
@@ -29,7 +29,13 @@ from speccli.engine.events import (
     StepEvent,
     TokenEvent,
 )
-from speccli.engine.policy import AcceptancePrior, AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
+from speccli.engine.policy import (
+    AcceptancePrior,
+    AdaptiveDraftLength,
+    DraftLengthByMatch,
+    DraftLengthPolicy,
+    FixedDraftLength,
+)
 from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
 from speccli.engine.text import Detokenizer, OutputText
 from speccli.engine.context import check_fits
@@ -133,7 +139,7 @@ class SpeculativeDecoder:
         self.prior = prior
         # Kept across generations: what it learned about this machine's costs and the
         # draft's acceptance carries over from one prompt (or chat turn) to the next.
-        self._adaptive: AdaptiveDraftLength | None = None
+        self._adaptive: AdaptiveDraftLength | DraftLengthByMatch | None = None
         self._adaptive_from: tuple = ()
         if self._feature_drafter() is not None:
             target.capture_hidden()
@@ -192,6 +198,8 @@ class SpeculativeDecoder:
             room = spec.max_new_tokens - emitted - 1
             if max_length is not None:
                 room = min(room, max_length - len(context))
+            if hasattr(policy, "expect") and hasattr(self.drafter, "match_length"):
+                policy.expect(self.drafter.match_length(context))
             k = max(0, min(policy.next_k(), room))
 
             # The output position of the next token: the coupled rule's noise is chosen by it.
@@ -276,7 +284,7 @@ class SpeculativeDecoder:
             return FixedDraftLength(spec.k)
         return self._adaptive_policy(spec)
 
-    def _adaptive_policy(self, spec: SpecConfig) -> AdaptiveDraftLength:
+    def _adaptive_policy(self, spec: SpecConfig) -> AdaptiveDraftLength | DraftLengthByMatch:
         """k auto's policy, kept across generations while the costs and the prior it started from hold."""
         started_from = (spec.max_k, self.costs, self.prior)
         same = len(self._adaptive_from) == 3 and self._adaptive_from[0] == spec.max_k and all(
@@ -289,14 +297,27 @@ class SpeculativeDecoder:
             max_k = spec.max_k
             if self.costs is not None:
                 max_k = max(1, min(max_k, max(self.costs.verify_seconds) - 1))
-            prior = {}
-            if self.prior is not None and self.prior.acceptance:
-                prior = {"prior_acceptance": self.prior.acceptance, "prior_steps": self.prior.steps}
-            self._adaptive = AdaptiveDraftLength(max_k=max_k, **prior)
+            if hasattr(self.drafter, "match_length"):
+                # Prompt lookup: acceptance kept by the length of the n-gram matched.
+                self._adaptive = DraftLengthByMatch(lambda match: self._lookup_policy(max_k, match))
+            else:
+                prior = {}
+                if self.prior is not None and self.prior.acceptance:
+                    prior = {"prior_acceptance": self.prior.acceptance, "prior_steps": self.prior.steps}
+                self._adaptive = AdaptiveDraftLength(max_k=max_k, **prior)
             self._adaptive_from = started_from
             if self.costs is not None:
                 self._adaptive.costs.seed(self.costs.verify_seconds, self.costs.draft_seconds)
         return self._adaptive
+
+    def _lookup_policy(self, max_k: int, match: int) -> AdaptiveDraftLength:
+        """k auto for prompt lookup's drafts after a match of this length: from what an
+        earlier session learned of them, else from what such drafts measured."""
+        learned = self.prior.for_match(match) if self.prior is not None else None
+        if learned is not None:
+            return AdaptiveDraftLength(max_k=max_k, prior_acceptance=learned.acceptance, prior_steps=learned.steps)
+        prior = LOOKUP_ACCEPTANCE.get(match, LOOKUP_ACCEPTANCE[max(LOOKUP_ACCEPTANCE)])
+        return AdaptiveDraftLength(max_k=max_k, prior_acceptance=prior)
 
     def _chain_step(
         self,

@@ -228,6 +228,15 @@ class ModelDrafter:
         self.model.rollback(min(length, len(self.model.cached_tokens)))
 
 
+# What prompt lookup's drafts come true at, by the length of the n-gram matched: k auto's
+# prior for each (speccli.engine.policy.DraftLengthByMatch), by draft position (the last
+# standing for the later ones). Measured over the greedy answers of the 12 default prompts
+# (Qwen2.5-Coder-1.5B, float32 and bfloat16 alike): the first drafted token was right 23%
+# of the time after a 1-token match (8-13% on chat text), 40% after 2, 80% after 3; a
+# token whose predecessors were right, 40%, 45-55% and 89-95%.
+LOOKUP_ACCEPTANCE: dict[int, tuple[float, ...]] = {1: (0.25, 0.4), 2: (0.4, 0.5), 3: (0.8, 0.9, 0.95)}
+
+
 class PromptLookupDrafter:
     """Prompt lookup decoding: find the longest n-gram (max_ngram down to min_ngram) that
     ends the context and occurred earlier in it; the tokens that followed that earlier
@@ -276,17 +285,20 @@ class PromptLookupDrafter:
         generator: torch.Generator | None,
         noise: Noise | None = None,
     ) -> Draft:
-        if k <= 0:
+        match = self.match_length(context) if k > 0 else 0
+        if match == 0:
             return Draft([])
+        end = self._index[match][tuple(context[len(context) - match :])][-1]
+        return Draft(list(context[end : end + k]))
+
+    def match_length(self, context: Sequence[int]) -> int:
+        """The length of the longest n-gram ending the context that occurred earlier (0:
+        none): the draft is what followed it."""
         self._extend_index(context)
-        length = len(context)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if length < n:
-                continue
-            ends = self._index[n].get(tuple(context[length - n :]))
-            if ends:
-                return Draft(list(context[ends[-1] : ends[-1] + k]))
-        return Draft([])
+        for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
+            if self._index[n].get(tuple(context[len(context) - n :])):
+                return n
+        return 0
 
     def propose_tree(
         self,

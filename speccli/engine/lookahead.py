@@ -227,6 +227,10 @@ class LookaheadDrafter:
         if len(entries) > POOL_PER_TOKEN:
             entries.popitem(last=False)
 
+    def match_length(self, context: Sequence[int]) -> int:
+        """Prompt lookup's match, for the steps without lookahead (see PromptLookupDrafter)."""
+        return self.lookup.match_length(context)
+
     def propose(self, context, k, sampling, generator, noise=None):  # noqa: ANN001 - the Drafter protocol
         """As a chain, for the steps without lookahead (no shape pays, or the gate holds
         lookahead back): prompt lookup's draft, k tokens, as `--draft ngram` drafts."""
@@ -350,6 +354,11 @@ class LookaheadGate:
         if self.on:
             return self.k
         return self.meanwhile.next_k() if self.meanwhile is not None else 0
+
+    def expect(self, match: int) -> None:
+        """The length of prompt lookup's match for the coming step, for the `meanwhile` policy."""
+        if hasattr(self.meanwhile, "expect"):
+            self.meanwhile.expect(match)
 
     @property
     def lookahead_step(self) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from speccli.engine.events import StepEvent
 
@@ -112,6 +112,11 @@ class AcceptancePrior:
 
     acceptance: tuple[float, ...]
     steps: float
+    # Prompt lookup's, by the length of the n-gram matched (DraftLengthByMatch): (length, prior).
+    by_match: tuple[tuple[int, "AcceptancePrior"], ...] = ()
+
+    def for_match(self, match: int) -> "AcceptancePrior | None":
+        return dict(self.by_match).get(match)
 
 
 class AdaptiveDraftLength:
@@ -269,6 +274,10 @@ class AdaptiveDraftLength:
 
     def observe(self, step: StepEvent) -> None:
         self.costs.observe(step)
+        self.learn(step)
+
+    def learn(self, step: StepEvent) -> None:
+        """What the step says about the draft's acceptance (`observe` less the costs)."""
         probing, self._probing = self._probing, False
         if step.drafted == 0:
             if probing:
@@ -315,6 +324,63 @@ class AdaptiveDraftLength:
             (kept[i] + self.prior[i] * old + pooled * w) / (tried[i] + old + w) for i in range(self.max_k)
         ]
         return learned, old + tried[0]
+
+
+class DraftLengthByMatch:
+    """k auto for prompt lookup, with acceptance kept apart by the length of the n-gram
+    matched: a draft after a 3-token match comes true far more often than one after a
+    1-token match (see speccli.engine.drafters.LOOKUP_ACCEPTANCE). One acceptance for all
+    of them drafts after the short matches of chat text on the strength of the long ones
+    of code, where each such step costs more than the plain step it replaces.
+
+    Before each step the decoder tells it the length of the drafter's match (`expect`):
+    the AdaptiveDraftLength for that length chooses k and learns from the step, all of them
+    over the same measured costs. Without a match there is nothing to draft: k is 0, and
+    only the step's cost is learned.
+    """
+
+    def __init__(self, make: Callable[[int], AdaptiveDraftLength]) -> None:
+        self._make = make  # the policy for a match length, before it has seen a step
+        self.costs = StepCosts()
+        self._by_match: dict[int, AdaptiveDraftLength] = {}
+        self._match = 1
+        self._asked: AdaptiveDraftLength | None = None
+
+    def expect(self, match: int) -> None:
+        """The length of the n-gram the drafter matched for the coming step (0: none)."""
+        self._match = match
+
+    def policy(self, match: int) -> AdaptiveDraftLength:
+        """The policy for drafts after a match of this length."""
+        if match not in self._by_match:
+            policy = self._make(match)
+            policy.costs = self.costs
+            self._by_match[match] = policy
+        return self._by_match[match]
+
+    def next_k(self) -> int:
+        self._asked = self.policy(self._match) if self._match > 0 else None
+        return self._asked.next_k() if self._asked is not None else 0
+
+    def observe(self, step: StepEvent) -> None:
+        self.costs.observe(step)
+        asked, self._asked = self._asked, None
+        if asked is not None:
+            asked.learn(step)
+
+    def learned(self) -> AcceptancePrior | None:
+        """For the next session: each match length's learned prior, and all of them pooled."""
+        by_match = tuple(
+            (match, learned) for match, policy in sorted(self._by_match.items()) if (learned := policy.learned())
+        )
+        if not by_match:
+            return None
+        steps = sum(learned.steps for _, learned in by_match)
+        pooled = tuple(
+            sum(learned.acceptance[i] * learned.steps for _, learned in by_match) / steps
+            for i in range(len(by_match[0][1].acceptance))
+        )
+        return AcceptancePrior(pooled, steps, by_match)
 
 
 def _per_position(prior: float | Sequence[float], length: int) -> list[float]:

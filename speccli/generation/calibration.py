@@ -92,13 +92,25 @@ def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
         data = json.loads(path.read_text())
         if data.get("identity") != identity:
             return None
-        acceptance = tuple(float(a) for a in data["acceptance"])
-        steps = float(data["steps"])
-        if not acceptance or not all(0.0 <= a <= 1.0 for a in acceptance) or not 0.0 <= steps < float("inf"):
+        prior = _prior_from(data)
+        by_match = tuple((int(match), _prior_from(entry)) for match, entry in data.get("by_match", {}).items())
+        if prior is None or any(learned is None for _, learned in by_match):
             return None
-        return AcceptancePrior(acceptance, steps)
+        return AcceptancePrior(prior.acceptance, prior.steps, by_match)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _prior_from(data: dict[str, Any]) -> AcceptancePrior | None:
+    acceptance = tuple(float(a) for a in data["acceptance"])
+    steps = float(data["steps"])
+    if not acceptance or not all(0.0 <= a <= 1.0 for a in acceptance) or not 0.0 <= steps < float("inf"):
+        return None
+    return AcceptancePrior(acceptance, steps)
+
+
+def _prior_payload(prior: AcceptancePrior) -> dict[str, Any]:
+    return {"acceptance": [round(a, 4) for a in prior.acceptance], "steps": prior.steps}
 
 
 def remember(
@@ -113,9 +125,10 @@ def remember(
     payload = {
         "identity": identity,
         "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "acceptance": [round(a, 4) for a in learned.acceptance],
-        "steps": learned.steps,
+        **_prior_payload(learned),
     }
+    if learned.by_match:
+        payload["by_match"] = {str(match): _prior_payload(prior) for match, prior in learned.by_match}
     offline.write_json(prior_path(calibration_path(identity, cache_dir)), payload)
     return learned
 
