@@ -14,7 +14,10 @@ the figures with the CPU and library versions.
 With --compare-stock, where specgen switched the model's linear layers to its own CPU
 kernels (oneDNN for float32, one-row products as two rows for bfloat16), the curve is
 timed again with PyTorch's stock kernels, and one-token passes under the two are timed in
-adjacent pairs (--repeats x 3 of them, the order alternating): their median ratio.
+adjacent pairs (--repeats x 3 of them, the order alternating): their median ratio. Where
+float32 keeps PyTorch's kernel for the fewest rows (the load line's `oneDNN linear from N
+rows`), every size is also timed under the three choices side by side (specgen's, oneDNN's
+for all rows, PyTorch's for all rows; adjacent, the order alternating, medians of --repeats).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from speccli.config import LoadConfig
 from speccli.engine.calibration import CONTEXT_TOKENS, filler_ids, measure_costs
 from speccli.generation.pipeline import backend_label, causal_lm
 from speccli.models.loading import cpu_name, load_model
-from speccli.models.onednn import alternating_pairs, set_cpu_linear
+from speccli.models.onednn import OneDnnLinear, alternating_pairs, set_cpu_linear, set_onednn_linear
 
 
 def main() -> int:
@@ -77,6 +80,11 @@ def main() -> int:
                   f" {statistics.median(ratios):.2f}, {min(ratios):.2f}-{max(ratios):.2f}")
             result["stock_verify_seconds"] = {str(n): stock.verify_seconds[n] for n in sizes}
             result["one_token_pairs"] = {"specgen_seconds": own, "stock_seconds": plain, "ratios": ratios}
+            if loaded.stock_rows:
+                side_by_side = kernel_choices(lm, loaded.model, sizes, args.repeats)
+                print_choices(sizes, side_by_side)
+                result["kernel_choices"] = {name: {str(n): seconds[n] for n in sizes}
+                                            for name, seconds in side_by_side.items()}
         results.append(result)
         del lm, loaded
     if args.json_out:
@@ -94,6 +102,49 @@ def print_curve(sizes: list[int], seconds: dict[int, float]) -> None:
     print("|---|" + "---|" * len(sizes))
     print("| ms | " + " | ".join(f"{seconds[n] * 1000:.0f}" for n in sizes) + " |")
     print("| x one token | " + " | ".join(f"{seconds[n] / one:.2f}" for n in sizes) + " |")
+
+
+KERNEL_CHOICES = ("specgen", "onednn", "stock")
+
+
+def kernel_choices(lm, model, sizes: list[int], rounds: int) -> dict[str, dict[int, float]]:
+    """Median seconds of a pass over each size with float32's rows given to specgen's choice
+    of kernel, to oneDNN's throughout and to PyTorch's throughout: the three timed back to
+    back for each size, the order reversed every other round. Leaves specgen's choice."""
+    chosen = {module: module.stock_below for module in model.modules() if type(module) is OneDnnLinear}
+
+    def use(choice: str) -> None:
+        set_onednn_linear(model, choice != "stock")
+        for module, below in chosen.items():
+            module.stock_below = 1 if choice == "onednn" else below
+
+    context = filler_ids(lm.vocab_size, CONTEXT_TOKENS + max(sizes))
+    lm.rollback(0)
+    lm.forward(context[:CONTEXT_TOKENS], all_logits=False)
+    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes} for name in KERNEL_CHOICES}
+    for round_ in range(rounds + 1):  # the first round warms up
+        for n in sizes:
+            for name in KERNEL_CHOICES if round_ % 2 else reversed(KERNEL_CHOICES):
+                use(name)
+                started = time.perf_counter()
+                lm.forward(context[CONTEXT_TOKENS:CONTEXT_TOKENS + n])
+                if round_:
+                    times[name][n].append(time.perf_counter() - started)
+                lm.rollback(CONTEXT_TOKENS)
+    use("specgen")
+    lm.rollback(0)
+    return {name: {n: statistics.median(seconds) for n, seconds in by_size.items()} for name, by_size in times.items()}
+
+
+def print_choices(sizes: list[int], choices: dict[str, dict[int, float]]) -> None:
+    one = choices["specgen"][1]
+    labels = {"specgen": "specgen's choice", "onednn": "oneDNN, all rows", "stock": "PyTorch's, all rows"}
+    print("float32 kernels side by side (ms; x specgen's one-token pass):")
+    print("| kernels | " + " | ".join(str(n) for n in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    for name, seconds in choices.items():
+        cells = " | ".join(f"{seconds[n] * 1000:.0f} ({seconds[n] / one:.2f})" for n in sizes)
+        print(f"| {labels[name]} | {cells} |")
 
 
 def one_token_pairs(lm, loaded, rounds: int) -> tuple[list[float], list[float], list[float]]:

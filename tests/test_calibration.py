@@ -196,6 +196,12 @@ def test_calibrate_measures_once_then_reads_the_cache(folders, tmp_path, monkeyp
     assert calibrate(again, max_k=8, cache_dir=tmp_path) == STEEP  # another max_k: another entry
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
 
+    # Passes whose rows go to other kernels (float32's stock rows) cost otherwise: measured again.
+    again.target.stock_rows = {"64x32": 4}
+    assert calibration_identity(again, 4)["target"]["stock_rows"] == {"64x32": 4}
+    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: FLAT)
+    assert calibrate(again, max_k=3, cache_dir=tmp_path) == FLAT
+
 
 def test_a_damaged_cache_file_is_measured_again(folders, tmp_path, monkeypatch):
     pipeline = pipeline_for(folders)

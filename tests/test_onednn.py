@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import save_model_folder, tiny_llama, wrap
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
@@ -220,3 +221,90 @@ def test_load_model_multiplies_one_bfloat16_row_as_two_where_that_pays(folder, m
     stock = load_model(folder, LoadConfig(device="cpu", dtype="bfloat16", quant="none", cpu_linear="stock"))
     assert stock.linear == "stock" and type(stock.model.lm_head) is torch.nn.Linear
     assert load_model(folder, LoadConfig(device="cpu", dtype="float32", quant="none")).linear == "onednn"
+
+
+def test_rows_below_stock_below_take_pytorchs_own_kernel():
+    generator = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(48, 24)
+    set_onednn_linear(layer)
+    layer.stock_below = 3
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 5):
+            x = torch.randn(1, rows, 48, generator=generator)
+            own = F.linear(x, layer.weight, layer.bias)
+            through = onednn._onednn_linear(x, layer.weight, layer.bias)
+            assert torch.equal(layer(x), own if rows < 3 else through), rows
+
+
+class ScriptedKernels:
+    """Stands in for the two kernels and the clock: each product takes the scripted seconds
+    for its kernel and rows."""
+
+    def __init__(self, stock: dict[int, float], onednn: dict[int, float]) -> None:
+        self.seconds = {"stock": stock, "onednn": onednn}
+        self.now = 0.0
+        self.timed: list[tuple[str, int]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(self, kernel: str, x: torch.Tensor) -> None:
+        self.timed.append((kernel, x.shape[0]))
+        self.now += self.seconds[kernel][x.shape[0]]
+
+    def install(self, monkeypatch) -> None:
+        fake_f = type("F", (), {"linear": staticmethod(lambda x, weight, bias=None: self.run("stock", x))})
+        monkeypatch.setattr(onednn, "F", fake_f)
+        monkeypatch.setattr(onednn, "_onednn_linear", lambda x, weight, bias: self.run("onednn", x))
+
+
+def test_stock_rows_are_those_below_the_first_count_where_onednn_is_as_fast(monkeypatch):
+    # The Xeon's MLP weight: PyTorch's kernel faster for 1-3 rows, even at 4.
+    kernels = ScriptedKernels({1: 1.10, 2: 1.14, 3: 1.16, 4: 2.20, 5: 2.2}, {1: 1.24, 2: 1.98, 3: 2.06, 4: 2.18, 5: 2.3})
+    kernels.install(monkeypatch)
+    weight = torch.zeros(8, 1 << 21)  # large enough for one product per timing
+    assert onednn.stock_rows_below(weight, rounds=3, clock=kernels.clock) == 4
+    assert max(rows for _, rows in kernels.timed) == 4  # stopped at the first count oneDNN wins
+    # oneDNN faster from one row (the AVX512 machine): nothing for PyTorch's kernel.
+    kernels.seconds = {"stock": {1: 6.0}, "onednn": {1: 3.5}}
+    assert onednn.stock_rows_below(weight, rounds=3, clock=kernels.clock) == 1
+    # PyTorch's faster throughout: every count judged, and one more.
+    kernels.seconds = {"stock": {n: 1.0 for n in range(1, 9)}, "onednn": {n: 2.0 for n in range(1, 9)}}
+    assert onednn.stock_rows_below(weight, rounds=3, clock=kernels.clock) == onednn.MAX_STOCK_ROWS + 1
+
+
+def test_each_weight_shape_keeps_its_own_stock_rows_and_the_latest_loads_decide(monkeypatch, tmp_path):
+    model = tiny_llama(60, seed=3)  # q/o 32x32, gate/up 64x32, down 32x64, head 60x32
+    set_onednn_linear(model)
+    monkeypatch.setattr(onednn, "stock_rows_below", lambda weight: pytest.fail("timed a product too small to judge"))
+    assert onednn.choose_stock_rows(model) == {}
+    assert {module.stock_below for module in model.modules() if type(module) is OneDnnLinear} == {1}
+
+    monkeypatch.setattr(onednn, "MIN_TIMED_FLOAT32_WEIGHT", 64 * 32)
+    found = iter([4, 2, 3, 5])  # in the order the shapes first appear: gate/up, down; then again
+    monkeypatch.setattr(onednn, "stock_rows_below", lambda weight: next(found))
+    assert onednn.choose_stock_rows(model, tmp_path, "CPU A") == {(64, 32): 4, (32, 64): 2}
+    assert model.model.layers[0].mlp.up_proj.stock_below == 4 and model.model.layers[1].mlp.down_proj.stock_below == 2
+    assert model.model.layers[0].self_attn.q_proj.stock_below == 1  # too small: oneDNN's
+    # The next load's finding joins the first's: the lower median of the two.
+    assert onednn.choose_stock_rows(model, tmp_path, "CPU A") == {(64, 32): 3, (32, 64): 2}
+    history = onednn.kernel_history(tmp_path, "stock-rows", "CPU A", (64, 32))
+    assert json.loads(history.read_text())["stock_below"] == [4, 3]
+    assert onednn.kernel_history(tmp_path, "stock-rows", "CPU B", (64, 32)) != history
+
+
+def test_load_model_gives_float32_rows_to_the_faster_kernel(folder, monkeypatch, tmp_path):
+    seen = []
+
+    def choose(model, *history):
+        seen.append(history)
+        for module in model.modules():
+            if type(module) is OneDnnLinear and module.weight.shape[0] > module.weight.shape[1]:
+                module.stock_below = 4
+        return {(64, 32): 4, (32, 32): 1}
+
+    monkeypatch.setattr(loading, "choose_stock_rows", choose)
+    loaded = load_model(folder, LoadConfig(device="cpu", dtype="float32", quant="none"), cache_dir=tmp_path)
+    assert seen == [(tmp_path / "kernels", loading.cpu_name())]
+    assert loaded.linear == "onednn" and loaded.stock_rows == {"64x32": 4}
+    assert "float32, oneDNN linear from 4 rows on cpu" in loaded.describe()

@@ -29,8 +29,8 @@ from speccli.generation.pipeline import Pipeline
 FORMAT = 3  # 3: each size's median ratio to a one-token pass timed just before it (2: the fastest round; 1: the median)
 
 
-def _model_identity(model: LoadedModel) -> dict[str, str]:
-    return {
+def _model_identity(model: LoadedModel) -> dict[str, Any]:
+    identity: dict[str, Any] = {
         "name": model.name,
         "location": f"{model.resolved.location}/{model.resolved.gguf_file or ''}",
         "dtype": dtype_name(model.dtype),
@@ -39,6 +39,9 @@ def _model_identity(model: LoadedModel) -> dict[str, str]:
         "device": str(model.device),
         "backend": model.backend,
     }
+    if model.stock_rows:  # which kernel takes a pass's rows: its costs
+        identity["stock_rows"] = model.stock_rows
+    return identity
 
 
 def calibration_identity(pipeline: Pipeline, max_fed: int) -> dict[str, Any]:

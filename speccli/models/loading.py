@@ -42,7 +42,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,13 @@ from speccli.config import LoadConfig
 from speccli.models import offline
 from speccli.models.errors import ModelLoadError
 from speccli.models.int8 import int8_problem, quantize_int8
-from speccli.models.onednn import onednn_problem, set_onednn_linear, set_two_row_linear, two_rows_pay
+from speccli.models.onednn import (
+    choose_stock_rows,
+    onednn_problem,
+    set_onednn_linear,
+    set_two_row_linear,
+    two_rows_pay,
+)
 from speccli.models.registry import ALIASES, ResolvedModel, resolve
 
 __all__ = [
@@ -104,6 +110,9 @@ class LoadedModel:
     quant: str  # "none", "4bit", "8bit" or "gguf→<dtype>"
     load_seconds: float
     linear: str = "stock"  # "onednn": float32 linear layers through oneDNN; "two-row": bf16 one-row products as two
+    # With "onednn": by weight shape ("8960x1536"), the rows below which PyTorch's own kernel
+    # is the faster and takes them (only shapes where it is, for some).
+    stock_rows: dict[str, int] = field(default_factory=dict)
     backend: str = "transformers"  # or "llama.cpp" (then `model` is a LlamaCppWeights)
 
     @property
@@ -142,6 +151,9 @@ class LoadedModel:
             )
         quant = "" if self.quant == "none" else f" ({self.quant})"
         linear = {"onednn": ", oneDNN linear", "two-row": ", one-row products as two"}.get(self.linear, "")
+        if self.stock_rows:
+            fewest, most = min(self.stock_rows.values()), max(self.stock_rows.values())
+            linear += f" from {fewest if fewest == most else f'{fewest}-{most}'} rows"
         return (
             f"{self.name}: {self.resolved.kind}, {dtype_name(self.dtype)}{quant}{linear} on {self.device},"
             f" loaded in {self.load_seconds:.1f} s"
@@ -730,14 +742,15 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
             model = quantize_int8(model)
     model.eval()
     linear = "stock"
+    stock_rows: dict[str, int] = {}
+    kernels = (pending.cache_dir or offline.default_cache_dir()) / "kernels"
     if device.type == "cpu" and config.cpu_linear == "auto":
         if dtype == torch.float32 and onednn_problem() is None and set_onednn_linear(model):
             linear = "onednn"
-        elif (
-            dtype == torch.bfloat16
-            and two_rows_pay(model, (pending.cache_dir or offline.default_cache_dir()) / "kernels", cpu_name())
-            and set_two_row_linear(model)
-        ):
+            say(f"timing {name}'s float32 kernels by rows (PyTorch's or oneDNN's, each weight shape)")
+            chosen = choose_stock_rows(model, kernels, cpu_name())
+            stock_rows = {f"{rows}x{columns}": below for (rows, columns), below in sorted(chosen.items()) if below > 1}
+        elif dtype == torch.bfloat16 and two_rows_pay(model, kernels, cpu_name()) and set_two_row_linear(model):
             linear = "two-row"
 
     return LoadedModel(
@@ -750,6 +763,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
         quant=(f"gguf→{'int8' if quant == 'int8' else dtype_name(dtype)}" if resolved.is_gguf else quant),
         load_seconds=pending.tokenizer_seconds + time.perf_counter() - started,
         linear=linear,
+        stock_rows=stock_rows,
     )
 
 

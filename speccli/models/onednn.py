@@ -1,6 +1,7 @@
 """Faster CPU kernels for the few rows a decode step feeds its linear layers, chosen at load
-time: float32 through oneDNN; bfloat16 one-row products as two rows where that is faster
-(see TwoRowLinear).
+time: float32 through oneDNN, but for the fewest rows where PyTorch's own kernel is the
+faster on this CPU (see choose_stock_rows); bfloat16 one-row products as two rows where
+that is faster (see TwoRowLinear).
 
 For float32 on the CPU, nn.Linear multiplies with MKL's sgemm, which is slow for the
 few rows that decoding feeds: on the 2-core AVX512 machine here (torch 2.13) the two
@@ -59,12 +60,16 @@ def onednn_problem() -> str | None:
 
 class OneDnnLinear(torch.nn.Linear):
     """nn.Linear whose float32 CPU inference goes through oneDNN; anything else (autograd,
-    other dtypes or devices) takes nn.Linear's own path."""
+    other dtypes or devices), and fewer rows than `stock_below` (see choose_stock_rows),
+    takes nn.Linear's own path."""
+
+    stock_below = 1  # rows fewer than this are PyTorch's own kernel's (1: none)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
         weight = self.weight
         if (
-            input.dtype != torch.float32
+            input.numel() < self.stock_below * self.in_features
+            or input.dtype != torch.float32
             or weight.dtype != torch.float32
             or input.device.type != "cpu"
             or weight.device.type != "cpu"
@@ -210,23 +215,106 @@ def two_rows_pay(model: torch.nn.Module, history_dir: Path | None = None, machin
     ratios = [row_pair_ratio(weight.detach())]
     if history_dir is not None:
         history = row_pair_history(history_dir, machine, shape)
-        ratios = (_read_ratios(history) + ratios)[-REMEMBERED_RATIOS:]
+        ratios = (_read_numbers(history, "row_pair_ratios") + ratios)[-REMEMBERED_RATIOS:]
         write_json(history, {"row_pair_ratios": ratios})
     return statistics.median(ratios) <= ROW_PAIR_GAIN
 
 
 def row_pair_history(history_dir: Path, machine: str, shape: tuple[int, ...]) -> Path:
     """The file of the latest row-pair ratios for `machine`, this torch build and thread count, and `shape`."""
+    return kernel_history(history_dir, "row-pairs", machine, shape)
+
+
+def kernel_history(history_dir: Path, kind: str, machine: str, shape: tuple[int, ...]) -> Path:
+    """The file of the latest loads' kernel timings of `kind` for `machine`, this torch build
+    and thread count, and `shape`."""
     key = [machine, torch.__version__, torch.get_num_threads(), list(shape)]
-    return history_dir / f"row-pairs-{identity_digest(key)}.json"
+    return history_dir / f"{kind}-{identity_digest(key)}.json"
 
 
-def _read_ratios(path: Path) -> list[float]:
+def _read_numbers(path: Path, key: str) -> list[float]:
     try:
-        ratios = json.loads(path.read_text(encoding="utf-8"))["row_pair_ratios"]
-        return [float(r) for r in ratios if isinstance(r, (int, float)) and r > 0]
+        numbers = json.loads(path.read_text(encoding="utf-8"))[key]
+        return [float(n) for n in numbers if isinstance(n, (int, float)) and n > 0]
     except (OSError, ValueError, KeyError, TypeError):
         return []  # none yet, or unreadable: this load's own timing decides
+
+
+# float32: PyTorch's own kernel for the fewest rows, where it is the faster.
+#
+# Which kernel multiplies a few float32 rows faster depends on the CPU. On the AVX512 machine
+# above, oneDNN's from one row on. On a 2-core Xeon with AMX (torch 2.13, 2 threads), MKL's
+# sgemm multiplies 1/2/3 rows by a Qwen2.5-Coder-1.5B MLP weight (8960 x 1536) in
+# 1.10/1.14/1.16 ms and oneDNN's in 1.24/1.98/2.06, while at 4 rows the two are even
+# (2.20/2.18) and at 8 oneDNN's is the faster (3.37/2.73); the output layer (151936 x 1536)
+# takes 35/34/38 ms against 38/43/48 for 1/2/3 rows, then 71 against 48 for 4. There a pass over
+# one token cost 1.16x as much with oneDNN as with stock kernels. So each weight shape keeps
+# PyTorch's kernel below the first row count at which oneDNN's is as fast, timed at load.
+
+MAX_STOCK_ROWS = 8  # row counts judged: a decode step's passes; prompts go to oneDNN
+# Smaller float32 weights keep oneDNN's kernel untimed. Lower than MIN_JUDGED_WEIGHT: the
+# 1.5B's key and value projections (256 x 1536) take 0.02 ms with PyTorch's kernel and
+# 0.03-0.09 with oneDNN's for 1-3 rows on the Xeon, 56 of them in every pass.
+MIN_TIMED_FLOAT32_WEIGHT = 1 << 18
+REMEMBERED_STOCK_ROWS = 7  # the latest loads' findings that decide together
+
+
+def stock_rows_below(weight: torch.Tensor, max_rows: int = MAX_STOCK_ROWS, rounds: int = 5,
+                     clock=time.perf_counter) -> int:
+    """The first row count (1 to max_rows) at which oneDNN multiplies by float32 `weight` as
+    fast as PyTorch's own kernel (the median over `rounds` adjacent pairs in alternating
+    order); max_rows + 1 where PyTorch's is the faster throughout."""
+    calls = max(1, (1 << 24) // weight.numel())  # enough work per timing for the clock
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(max_rows, weight.shape[1], generator=generator)
+
+    def timer(multiply, x: torch.Tensor):
+        def seconds() -> float:
+            started = clock()
+            for _ in range(calls):
+                multiply(x)
+            return clock() - started
+        return seconds
+
+    with torch.inference_mode():
+        for count in range(1, max_rows + 1):
+            x = rows[:count]
+            stock = timer(lambda x: F.linear(x, weight), x)
+            onednn = timer(lambda x: _onednn_linear(x, weight, None), x)
+            pairs = alternating_pairs(stock, onednn, rounds)
+            if statistics.median(a / b if b > 0 else 1.0 for a, b in pairs) >= 1.0:
+                return count
+    return max_rows + 1
+
+
+def choose_stock_rows(model: torch.nn.Module, history_dir: Path | None = None,
+                      machine: str = "") -> dict[tuple[int, int], int]:
+    """Time, for each weight shape of `model`'s OneDnnLinear layers, the rows below which
+    PyTorch's own kernel is the faster (stock_rows_below), and set each layer's
+    `stock_below` to it. Shapes too small to judge (MIN_TIMED_FLOAT32_WEIGHT) stay oneDNN's.
+
+    With `history_dir`, each shape's finding joins those of the latest loads on this
+    `machine`, torch build and thread count, and their median decides: a shape near the
+    crossing (two kernels even at 4 rows) must not flip from load to load, each flip
+    changing float32's rounding in passes of that size. Returns {shape: rows}."""
+    layers = [module for module in model.modules() if type(module) is OneDnnLinear]
+    weights: dict[tuple[int, int], torch.Tensor] = {}
+    for module in layers:
+        weights.setdefault(tuple(module.weight.shape), module.weight)
+    chosen: dict[tuple[int, int], int] = {}
+    for shape, weight in weights.items():
+        if weight.numel() < MIN_TIMED_FLOAT32_WEIGHT:
+            continue
+        rows = stock_rows_below(weight.detach())
+        if history_dir is not None:
+            history = kernel_history(history_dir, "stock-rows", machine, shape)
+            found = (_read_numbers(history, "stock_below") + [rows])[-REMEMBERED_STOCK_ROWS:]
+            write_json(history, {"stock_below": found})
+            rows = int(statistics.median_low(found))
+        chosen[shape] = rows
+    for module in layers:
+        module.stock_below = chosen.get(tuple(module.weight.shape), 1)
+    return chosen
 
 
 def set_cpu_linear(model: torch.nn.Module, linear: str, enabled: bool = True) -> None:
