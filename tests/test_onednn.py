@@ -259,33 +259,37 @@ class ScriptedKernels:
 
 
 def test_stock_rows_are_those_below_the_first_count_where_onednn_is_as_fast(monkeypatch):
-    # The Xeon's MLP weight: PyTorch's kernel faster for 1-3 rows, even at 4.
-    kernels = ScriptedKernels({1: 1.10, 2: 1.14, 3: 1.16, 4: 2.20, 5: 2.2}, {1: 1.24, 2: 1.98, 3: 2.06, 4: 2.18, 5: 2.3})
+    # The Xeon's MLP weight: PyTorch's kernel faster for 1-3 rows, slower at 4.
+    kernels = ScriptedKernels({1: 1.10, 2: 1.14, 3: 1.16, 4: 2.60, 5: 2.7}, {1: 1.24, 2: 1.98, 3: 2.06, 4: 2.18, 5: 2.3})
     kernels.install(monkeypatch)
-    weight = torch.zeros(8, 1 << 21)  # large enough for one product per timing
-    assert onednn.stock_rows_below(weight, rounds=3, clock=kernels.clock) == 4
+    weights = [torch.zeros(8, 1 << 20), torch.zeros(8, 1 << 20)]  # two layers: one product each per timing
+    assert onednn.stock_rows_below(weights, rounds=3, clock=kernels.clock) == 4
     assert max(rows for _, rows in kernels.timed) == 4  # stopped at the first count oneDNN wins
+    # Each timing multiplies by both layers (a warm-up and 3 rounds per kernel and row count).
+    assert len(kernels.timed) == 4 * 2 * 4 * 2
     # oneDNN faster from one row (the AVX512 machine): nothing for PyTorch's kernel.
     kernels.seconds = {"stock": {1: 6.0}, "onednn": {1: 3.5}}
-    assert onednn.stock_rows_below(weight, rounds=3, clock=kernels.clock) == 1
+    assert onednn.stock_rows_below(weights, rounds=3, clock=kernels.clock) == 1
     # PyTorch's faster throughout: every count judged, and one more.
     kernels.seconds = {"stock": {n: 1.0 for n in range(1, 9)}, "onednn": {n: 2.0 for n in range(1, 9)}}
-    assert onednn.stock_rows_below(weight, rounds=3, clock=kernels.clock) == onednn.MAX_STOCK_ROWS + 1
+    assert onednn.stock_rows_below(weights, rounds=3, clock=kernels.clock) == onednn.MAX_STOCK_ROWS + 1
 
 
 def test_each_weight_shape_keeps_its_own_stock_rows_and_the_latest_loads_decide(monkeypatch, tmp_path):
     model = tiny_llama(60, seed=3)  # q/o 32x32, gate/up 64x32, down 32x64, head 60x32
     set_onednn_linear(model)
-    monkeypatch.setattr(onednn, "stock_rows_below", lambda weight: pytest.fail("timed a product too small to judge"))
+    monkeypatch.setattr(onednn, "stock_rows_below", lambda weights: pytest.fail("timed a product too small to judge"))
     assert onednn.choose_stock_rows(model) == {}
     assert {module.stock_below for module in model.modules() if type(module) is OneDnnLinear} == {1}
 
     monkeypatch.setattr(onednn, "MIN_TIMED_FLOAT32_WEIGHT", 64 * 32)
     found = iter([4, 2, 3, 5])  # in the order the shapes first appear: gate/up, down; then again
-    monkeypatch.setattr(onednn, "stock_rows_below", lambda weight: next(found))
+    timed = []
+    monkeypatch.setattr(onednn, "stock_rows_below", lambda weights: timed.append(len(weights)) or next(found))
     assert onednn.choose_stock_rows(model, tmp_path, "CPU A") == {(64, 32): 4, (32, 64): 2}
     assert model.model.layers[0].mlp.up_proj.stock_below == 4 and model.model.layers[1].mlp.down_proj.stock_below == 2
     assert model.model.layers[0].self_attn.q_proj.stock_below == 1  # too small: oneDNN's
+    assert timed == [4, 2]  # every layer of the shape: gate and up in both layers; down in both
     # The next load's finding joins the first's: the lower median of the two.
     assert onednn.choose_stock_rows(model, tmp_path, "CPU A") == {(64, 32): 3, (32, 64): 2}
     history = onednn.kernel_history(tmp_path, "stock-rows", "CPU A", (64, 32))

@@ -24,6 +24,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -259,28 +260,35 @@ MIN_TIMED_FLOAT32_WEIGHT = 1 << 18
 REMEMBERED_STOCK_ROWS = 7  # the latest loads' findings that decide together
 
 
-def stock_rows_below(weight: torch.Tensor, max_rows: int = MAX_STOCK_ROWS, rounds: int = 5,
+def stock_rows_below(weights: Sequence[torch.Tensor], max_rows: int = MAX_STOCK_ROWS, rounds: int = 3,
                      clock=time.perf_counter) -> int:
-    """The first row count (1 to max_rows) at which oneDNN multiplies by float32 `weight` as
-    fast as PyTorch's own kernel (the median over `rounds` adjacent pairs in alternating
-    order); max_rows + 1 where PyTorch's is the faster throughout."""
-    calls = max(1, (1 << 24) // weight.numel())  # enough work per timing for the clock
+    """The first row count (1 to max_rows) at which oneDNN multiplies by float32 `weights`
+    (the layers of one shape, each once per timing, as a pass does) as fast as PyTorch's own
+    kernel: the median over `rounds` adjacent pairs in alternating order. max_rows + 1 where
+    PyTorch's is the faster throughout.
+
+    Every layer, not one weight again and again: a weight multiplied repeatedly stays in the
+    CPU's cache, while a pass reads each from memory. On the Xeon with AMX one MLP weight timed
+    alone put the two kernels even at 4 rows, and then PyTorch's ahead at 5-7, where in passes
+    over 4-5 tokens it made them 1.25x slower than oneDNN's (462 against 359 ms)."""
+    calls = max(1, (1 << 24) // sum(weight.numel() for weight in weights))  # enough work per timing for the clock
     generator = torch.Generator().manual_seed(0)
-    rows = torch.randn(max_rows, weight.shape[1], generator=generator)
+    rows = torch.randn(max_rows, weights[0].shape[1], generator=generator)
 
     def timer(multiply, x: torch.Tensor):
         def seconds() -> float:
             started = clock()
             for _ in range(calls):
-                multiply(x)
+                for weight in weights:
+                    multiply(x, weight)
             return clock() - started
         return seconds
 
     with torch.inference_mode():
         for count in range(1, max_rows + 1):
             x = rows[:count]
-            stock = timer(lambda x: F.linear(x, weight), x)
-            onednn = timer(lambda x: _onednn_linear(x, weight, None), x)
+            stock = timer(lambda x, weight: F.linear(x, weight), x)
+            onednn = timer(lambda x, weight: _onednn_linear(x, weight, None), x)
             pairs = alternating_pairs(stock, onednn, rounds)
             if statistics.median(a / b if b > 0 else 1.0 for a, b in pairs) >= 1.0:
                 return count
@@ -298,19 +306,20 @@ def choose_stock_rows(model: torch.nn.Module, history_dir: Path | None = None,
     crossing (two kernels even at 4 rows) must not flip from load to load, each flip
     changing float32's rounding in passes of that size. Returns {shape: rows}."""
     layers = [module for module in model.modules() if type(module) is OneDnnLinear]
-    weights: dict[tuple[int, int], torch.Tensor] = {}
+    weights: dict[tuple[int, int], list[torch.Tensor]] = {}
     for module in layers:
-        weights.setdefault(tuple(module.weight.shape), module.weight)
+        weights.setdefault(tuple(module.weight.shape), []).append(module.weight.detach())
     chosen: dict[tuple[int, int], int] = {}
-    for shape, weight in weights.items():
-        if weight.numel() < MIN_TIMED_FLOAT32_WEIGHT:
+    for shape, same_shape in weights.items():
+        if shape[0] * shape[1] < MIN_TIMED_FLOAT32_WEIGHT:
             continue
-        rows = stock_rows_below(weight.detach())
+        rows = stock_rows_below(same_shape)
         if history_dir is not None:
             history = kernel_history(history_dir, "stock-rows", machine, shape)
-            found = (_read_numbers(history, "stock_below") + [rows])[-REMEMBERED_STOCK_ROWS:]
+            found = [int(n) for n in _read_numbers(history, "stock_below")] + [rows]
+            found = found[-REMEMBERED_STOCK_ROWS:]
             write_json(history, {"stock_below": found})
-            rows = int(statistics.median_low(found))
+            rows = statistics.median_low(found)
         chosen[shape] = rows
     for module in layers:
         module.stock_below = chosen.get(tuple(module.weight.shape), 1)
