@@ -279,14 +279,16 @@ def test_each_weight_shape_keeps_its_own_stock_rows_and_the_latest_loads_decide(
     model = tiny_llama(60, seed=3)  # q/o 32x32, gate/up 64x32, down 32x64, head 60x32
     set_onednn_linear(model)
     monkeypatch.setattr(onednn, "stock_rows_below", lambda weights: pytest.fail("timed a product too small to judge"))
-    assert onednn.choose_stock_rows(model) == {}
+    said = []
+    assert onednn.choose_stock_rows(model, progress=said.append) == {} and said == []  # nothing timed, nothing said
     assert {module.stock_below for module in model.modules() if type(module) is OneDnnLinear} == {1}
 
     monkeypatch.setattr(onednn, "MIN_TIMED_FLOAT32_WEIGHT", 64 * 32)
     found = iter([4, 2, 3, 5])  # in the order the shapes first appear: gate/up, down; then again
     timed = []
     monkeypatch.setattr(onednn, "stock_rows_below", lambda weights: timed.append(len(weights)) or next(found))
-    assert onednn.choose_stock_rows(model, tmp_path, "CPU A") == {(64, 32): 4, (32, 64): 2}
+    assert onednn.choose_stock_rows(model, tmp_path, "CPU A", progress=said.append) == {(64, 32): 4, (32, 64): 2}
+    assert said == ["timing float32 kernels by rows for 2 weight shapes (PyTorch's or oneDNN's)"]
     assert model.model.layers[0].mlp.up_proj.stock_below == 4 and model.model.layers[1].mlp.down_proj.stock_below == 2
     assert model.model.layers[0].self_attn.q_proj.stock_below == 1  # too small: oneDNN's
     assert timed == [4, 2]  # every layer of the shape: gate and up in both layers; down in both
@@ -300,7 +302,7 @@ def test_each_weight_shape_keeps_its_own_stock_rows_and_the_latest_loads_decide(
 def test_load_model_gives_float32_rows_to_the_faster_kernel(folder, monkeypatch, tmp_path):
     seen = []
 
-    def choose(model, *history):
+    def choose(model, *history, progress):
         seen.append(history)
         for module in model.modules():
             if type(module) is OneDnnLinear and module.weight.shape[0] > module.weight.shape[1]:

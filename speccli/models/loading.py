@@ -747,8 +747,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
     if device.type == "cpu" and config.cpu_linear == "auto":
         if dtype == torch.float32 and onednn_problem() is None and set_onednn_linear(model):
             linear = "onednn"
-            say(f"timing {name}'s float32 kernels by rows (PyTorch's or oneDNN's, each weight shape)")
-            chosen = choose_stock_rows(model, kernels, cpu_name())
+            chosen = choose_stock_rows(model, kernels, cpu_name(), progress=lambda message: say(f"{name}: {message}"))
             stock_rows = {f"{rows}x{columns}": below for (rows, columns), below in sorted(chosen.items()) if below > 1}
         elif dtype == torch.bfloat16 and two_rows_pay(model, kernels, cpu_name()) and set_two_row_linear(model):
             linear = "two-row"

@@ -24,7 +24,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -295,8 +295,8 @@ def stock_rows_below(weights: Sequence[torch.Tensor], max_rows: int = MAX_STOCK_
     return max_rows + 1
 
 
-def choose_stock_rows(model: torch.nn.Module, history_dir: Path | None = None,
-                      machine: str = "") -> dict[tuple[int, int], int]:
+def choose_stock_rows(model: torch.nn.Module, history_dir: Path | None = None, machine: str = "",
+                      progress: Callable[[str], None] | None = None) -> dict[tuple[int, int], int]:
     """Time, for each weight shape of `model`'s OneDnnLinear layers, the rows below which
     PyTorch's own kernel is the faster (stock_rows_below), and set each layer's
     `stock_below` to it. Shapes too small to judge (MIN_TIMED_FLOAT32_WEIGHT) stay oneDNN's.
@@ -304,15 +304,17 @@ def choose_stock_rows(model: torch.nn.Module, history_dir: Path | None = None,
     With `history_dir`, each shape's finding joins those of the latest loads on this
     `machine`, torch build and thread count, and their median decides: a shape near the
     crossing (two kernels even at 4 rows) must not flip from load to load, each flip
-    changing float32's rounding in passes of that size. Returns {shape: rows}."""
+    changing float32's rounding in passes of that size. `progress` hears of the timing before
+    it starts (nothing where no shape is large enough to time). Returns {shape: rows}."""
     layers = [module for module in model.modules() if type(module) is OneDnnLinear]
     weights: dict[tuple[int, int], list[torch.Tensor]] = {}
     for module in layers:
         weights.setdefault(tuple(module.weight.shape), []).append(module.weight.detach())
+    timed = {shape: same for shape, same in weights.items() if shape[0] * shape[1] >= MIN_TIMED_FLOAT32_WEIGHT}
+    if timed and progress is not None:
+        progress(f"timing float32 kernels by rows for {len(timed)} weight shapes (PyTorch's or oneDNN's)")
     chosen: dict[tuple[int, int], int] = {}
-    for shape, same_shape in weights.items():
-        if shape[0] * shape[1] < MIN_TIMED_FLOAT32_WEIGHT:
-            continue
+    for shape, same_shape in timed.items():
         rows = stock_rows_below(same_shape)
         if history_dir is not None:
             history = kernel_history(history_dir, "stock-rows", machine, shape)
