@@ -245,12 +245,11 @@ def _read_numbers(path: Path, key: str) -> list[float]:
 #
 # Which kernel multiplies a few float32 rows faster depends on the CPU. On the AVX512 machine
 # above, oneDNN's from one row on. On a 2-core Xeon with AMX (torch 2.13, 2 threads), MKL's
-# sgemm multiplies 1/2/3 rows by a Qwen2.5-Coder-1.5B MLP weight (8960 x 1536) in
-# 1.10/1.14/1.16 ms and oneDNN's in 1.24/1.98/2.06, while at 4 rows the two are even
-# (2.20/2.18) and at 8 oneDNN's is the faster (3.37/2.73); the output layer (151936 x 1536)
-# takes 35/34/38 ms against 38/43/48 for 1/2/3 rows, then 71 against 48 for 4. There a pass over
-# one token cost 1.16x as much with oneDNN as with stock kernels. So each weight shape keeps
-# PyTorch's kernel below the first row count at which oneDNN's is as fast, timed at load.
+# sgemm for 1-3 rows and oneDNN's from 4: passes of the 1.5B target over 1/2/3 tokens took
+# 251/275/280 ms with PyTorch's kernel throughout and 294/368/389 with oneDNN's, over 4 and 8
+# tokens 524/711 against 391/458. So each weight shape keeps PyTorch's kernel below the first
+# row count at which oneDNN's is as fast, timed at load: 274/282/290 ms for 1/2/3 tokens there,
+# 384/474 for 4 and 8.
 
 MAX_STOCK_ROWS = 8  # row counts judged: a decode step's passes; prompts go to oneDNN
 # Smaller float32 weights keep oneDNN's kernel untimed. Lower than MIN_JUDGED_WEIGHT: the
