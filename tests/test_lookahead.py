@@ -4,6 +4,8 @@ greedy output identical to the target's own."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -17,8 +19,8 @@ from speccli.engine.lookahead import (
     LookaheadDrafter,
     LookaheadGate,
     LookaheadShape,
-    break_even_gain,
     choose_shape,
+    window_gain,
 )
 from speccli.engine.tree import ROOT, TokenTree, TreeShape
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, encode
@@ -177,12 +179,10 @@ class TestShapeChoice:
     def test_without_measurements_the_default(self):
         assert choose_shape(None) == DEFAULT_SHAPE
 
-    def test_break_even_is_what_the_larger_pass_costs_more(self):
-        costs = {1: 0.2, 7: 0.25, 17: 0.3}
-        assert break_even_gain(costs, LookaheadShape(2, 3, 1)) == pytest.approx(0.25)
-        assert break_even_gain(costs, LookaheadShape(5, 3, 3)) == pytest.approx(0.5)
-        assert break_even_gain({1: 0.3, 7: 0.2}, LookaheadShape(2, 3, 1)) == 0.0
-        assert break_even_gain(None, DEFAULT_SHAPE) == 0.0
+    def test_the_windows_prior_gain_grows_with_the_pass(self):
+        assert window_gain(7) == pytest.approx(0.14)
+        assert window_gain(14) == pytest.approx(0.34)
+        assert window_gain(2) == 0.0
 
 
 @pytest.mark.parametrize("k", [2, 3, "auto"])
@@ -200,8 +200,10 @@ def test_lookahead_equals_target_greedy(pairs, tokenizer, pair_index, k):
         events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=MAX_NEW)))
         assert emitted(events) == target_greedy(pair.target, ids), prompt
         steps = [e for e in events if isinstance(e, StepEvent)]
-        # Every step carries the window, but a last one with room for a single token.
-        assert sum(e.tree and e.fed > 1 for e in steps) >= len(steps) - 1
+        if k == "auto":  # lookahead steps where the window pays, prompt lookup's chains where those do
+            assert any(e.tree and e.fed > 1 for e in steps)
+        else:  # every step carries the window, but a last one with room for a single token
+            assert sum(e.tree and e.fed > 1 for e in steps) >= len(steps) - 1
         accepted += sum(e.accepted for e in steps)
     # Random models repeat themselves: the pool's n-grams were accepted.
     assert accepted > 0
@@ -284,19 +286,20 @@ def test_with_tree_the_steps_the_gate_holds_back_are_prompt_lookups_trees(pairs,
     tree_auto = SpecConfig(k="auto", max_new_tokens=MAX_NEW, tree=True)
     gate = decoders["lookahead"]._policy_for(tree_auto)
     assert isinstance(gate, LookaheadGate)
-    gate.on, gate._failed_runs, gate.probe_every = False, 1, 10**6
+    gate.prior_gain, gate.probe_every = 0.0, 10**6  # the window never seems to pay
     decoders["lookahead"]._policy_for = lambda spec: gate
     # The passes `--draft ngram --tree` makes: its trees, no window beside them.
     steps = same_passes_as_prompt_lookup(decoders, target, tokenizer, tree_auto)
     assert any(tree and fed > 1 for fed, _, _, tree in steps)
-    assert not gate.on and not gate._recent  # its trees were not taken for lookahead's
+    assert gate._gain_steps == 0  # its trees were not taken for lookahead's
 
 
 def test_no_pass_is_larger_than_the_largest_measured(pairs, tokenizer):
     from test_decoder_greedy import target_greedy
 
     # Measured up to 13 tokens: the window (W 4, N 3: 8 tokens) rides along only beside a
-    # tree of at most 4 nodes; where prompt lookup's guess on a copied run fills more, it waits.
+    # tree of at most 4 nodes; where prompt lookup's guess on a copied run is worth more than
+    # the window beside a cut one, it is verified alone, as --draft ngram verifies it.
     pair = pairs[0]
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], LookaheadDrafter())
     decoder.costs = CostProfile({fed: 0.1 for fed in range(1, 14)}, None)
@@ -309,103 +312,120 @@ def test_no_pass_is_larger_than_the_largest_measured(pairs, tokenizer):
         steps += [e for e in events if isinstance(e, StepEvent)]
     assert max(e.fed for e in steps) <= 13
     assert any(e.tree and e.fed > 9 for e in steps)  # the window beside a tree of 4 nodes
-    assert any(e.tree and 5 < e.fed <= 13 and e.drafted > 4 for e in steps)  # a long guess, no window
+    assert any(not e.tree and e.drafted > 4 for e in steps)  # a long guess, no window
+
+
+class LookupStub:
+    """Prompt lookup's k auto as the gate sees it: a fixed draft length and expectation,
+    measured costs, and a record of what it learned."""
+
+    def __init__(self, k: int, expected: float, verify: dict[int, float]) -> None:
+        from speccli.engine.policy import StepCosts
+
+        self.k, self._expected = k, expected
+        self.costs = StepCosts()
+        self.costs.seed(verify, None)
+        self.observed: list[StepEvent] = []
+        self.learned: list[StepEvent] = []
+
+    def next_k(self) -> int:
+        return self.k
+
+    def expected(self, k: int) -> float:
+        return self._expected if k == self.k else 1.0 + 0.5 * k
+
+    def observe(self, step: StepEvent) -> None:
+        self.observed.append(step)
+
+    def learn(self, step: StepEvent) -> None:
+        self.learned.append(step)
+
+
+SHAPE = LookaheadShape(2, 3, 1)  # the window and the pool: 6 tokens beside the guess
 
 
 class TestGate:
     @staticmethod
-    def run(gate: LookaheadGate, accepted: list[int]) -> str:
-        """Feed the gate steps, lookahead ones accepting the next of `accepted`: L or . per step."""
-        chosen, found = [], iter(accepted)
-        for i in range(len(accepted)):
+    def run(gate: LookaheadGate, gains: list[int]) -> str:
+        """Feed the gate steps, lookahead ones gaining the next of `gains` beyond the guess: L or . per step."""
+        chosen = []
+        for i, gain in enumerate(gains):
             k = gate.next_k()
-            chosen.append("L" if k else ".")
-            if k:
-                gate.observe(StepEvent(i, k, next(found), 0.0, 0.13, fed=17, tree=True))
+            chosen.append("L" if gate.lookahead_step else ".")
+            if gate.lookahead_step:
+                gate.observe(StepEvent(i, k, gain, 0.0, 0.13, fed=1 + k + gate.extra, tree=True))
             else:
-                next(found)
-                gate.observe(StepEvent(i, 0, 0, 0.0, 0.10, fed=1))
+                gate.observe(StepEvent(i, k, 0, 0.0, 0.10, fed=k + 1))
         return "".join(chosen)
 
-    def test_where_nothing_is_accepted_plain_steps_follow_with_probes_that_back_off(self):
-        gate = LookaheadGate(2, window=4, probe_every=8, max_backoff=2)
-        steps = 4 + 8 + 4 + 16 + 4 + 32 + 4 + 32 + 4
+    def test_the_window_rides_where_its_gain_pays_for_its_tokens(self):
+        flat = LookaheadGate(SHAPE, LookupStub(0, 1.0, {fed: 0.1 for fed in range(1, 18)}), prior_gain=0.05)
+        assert flat.pays(0)  # any gain, at no cost
+        # 7 tokens cost 1.2x one: a gain of 0.25 pays, 0.15 does not.
+        costs = {1: 0.10, 7: 0.12, 17: 0.2}
+        assert LookaheadGate(SHAPE, LookupStub(0, 1.0, costs), prior_gain=0.25).pays(0)
+        assert not LookaheadGate(SHAPE, LookupStub(0, 1.0, costs), prior_gain=0.15).pays(0)
+
+    def test_prompt_lookups_own_step_wins_where_its_guess_brings_more_than_the_window(self):
+        # Its 2-token guess, 2.5 tokens expected in a 3-token pass, against the same guess
+        # beside the window in a 9-token pass that costs 1.5x as much: a gain of 1 does not pay.
+        costs = {1: 0.10, 3: 0.10, 9: 0.15, 17: 0.2}
+        gate = LookaheadGate(SHAPE, LookupStub(2, 2.5, costs), prior_gain=1.0)
+        assert not gate.pays(2) and gate.next_k() == 2 and not gate.lookahead_step and gate.guess_length == 2
+        gate = LookaheadGate(SHAPE, LookupStub(2, 2.5, costs), prior_gain=1.5)
+        assert gate.pays(2) and gate.next_k() == 2 and gate.lookahead_step and gate.guess_length == 2
+
+    def test_the_guess_is_cut_to_what_fits_beside_the_window(self):
+        gate = LookaheadGate(SHAPE, LookupStub(5, 3.0, {fed: 0.1 for fed in range(1, 10)}), prior_gain=5.0)
+        assert gate.cut(5) == 2  # 1 + 2 + 6 = 9 tokens, the largest pass measured
+        assert gate.next_k() == 2 and gate.lookahead_step and gate.guess_length == 2
+        # Without a guess the tree still holds the pool's n-grams, N - 1 deep.
+        gate = LookaheadGate(SHAPE, LookupStub(0, 1.0, {fed: 0.1 for fed in range(1, 10)}), prior_gain=5.0)
+        assert gate.next_k() == 2 and gate.guess_length == 0
+
+    def test_a_lookahead_step_teaches_prompt_lookup_its_guess_and_the_gate_the_gain(self):
+        stub = LookupStub(3, 2.0, {fed: 0.1 for fed in range(1, 18)})
+        gate = LookaheadGate(SHAPE, stub, prior_gain=0.5, prior_steps=1.0)
+        gate.next_k()
+        step = StepEvent(0, 3, 3, 0.0, 0.14, fed=10, tree=True, guessed=3, guessed_kept=1)
+        gate.observe(step)
+        assert stub.observed == []  # the cost is blended as its own steps' are, and the guess learned as a chain
+        assert stub.costs.verify[10] == pytest.approx(0.7 * 0.1 + 0.3 * 0.14)
+        assert [(e.drafted, e.accepted, e.fed, e.tree) for e in stub.learned] == [(3, 1, 4, False)]
+        assert gate.gain == pytest.approx((2 + 0.5) / 2)  # two tokens beyond the guess, with the prior
+
+    def test_prompt_lookups_own_steps_reach_it_whole(self):
+        stub = LookupStub(2, 2.5, {1: 0.1, 3: 0.1, 9: 0.3, 17: 0.4})
+        gate = LookaheadGate(SHAPE, stub, prior_gain=0.0)
+        gate.next_k()
+        gate.observe(StepEvent(0, 2, 1, 0.0, 0.1))
+        assert [e.step for e in stub.observed] == [0] and stub.learned == []
+
+    def test_where_the_window_does_not_pay_runs_of_probes_measure_it_and_back_off(self):
+        # Nothing gained: off, then a 4-step probe run (N - 1 = 2 levels to fill, twice) after
+        # 8 steps, 16, 32, then 32 again (two doublings at most).
+        gate = LookaheadGate(SHAPE, LookupStub(0, 1.0, {1: 0.1, 7: 0.2, 17: 0.3}), prior_gain=0.0, probe_every=8, max_backoff=2)
+        steps = 8 + 4 + 16 + 4 + 32 + 4 + 32 + 4
         assert self.run(gate, [0] * steps) == (
-            "LLLL" + "." * 8 + "LLLL" + "." * 16 + "LLLL" + "." * 32 + "LLLL" + "." * 32 + "LLLL"
+            "." * 8 + "LLLL" + "." * 16 + "LLLL" + "." * 32 + "LLLL" + "." * 32 + "LLLL"
         )
 
-    def test_where_guesses_come_true_now_and_then_lookahead_stays_on(self):
-        gate = LookaheadGate(2, window=4)
-        assert self.run(gate, [0, 0, 0, 1] * 10) == "L" * 40
+    def test_a_probe_that_finds_a_gain_keeps_lookahead_on_and_resets_the_backoff(self):
+        gate = LookaheadGate(SHAPE, LookupStub(0, 1.0, {1: 0.1, 7: 0.12, 17: 0.3}), prior_gain=0.0, probe_every=8)
+        assert self.run(gate, [0] * 20) == "." * 8 + "LLLL" + "." * 8
+        # The next probe comes after 16 steps (one failed probe) and finds a token a step.
+        assert self.run(gate, [0] * 8 + [1] * 10) == "." * 8 + "L" * 10
+        # Once that fades, off again; probed after 8 steps, not 32, then after 16.
+        assert re.fullmatch(r"L+\.{8}LLLL\.{16}LLLL\.+", self.run(gate, [0] * 60))
 
-    def test_gains_well_below_what_the_larger_pass_costs_turn_lookahead_off(self):
-        # One token in four steps: on for a pass 40% dearer (half of that is the bar), off for one 60% dearer.
-        assert self.run(LookaheadGate(2, break_even=0.4, window=4), [0, 0, 0, 1] * 3) == "L" * 12
-        assert self.run(LookaheadGate(2, break_even=0.6, window=4, probe_every=8), [0, 0, 0, 1] * 3) == "LLLL" + "." * 8
-        # Without the margin, the break-even itself is the bar.
-        gate = LookaheadGate(2, break_even=0.3, window=4, probe_every=8, margin=1.0)
-        assert self.run(gate, [0, 0, 0, 1] * 3) == "LLLL" + "." * 8
-
-    def test_the_window_slides_over_the_latest_steps(self):
-        gate = LookaheadGate(2, break_even=0.5, window=4, probe_every=8, margin=1.0)
-        # A token in each of the first four steps; the window's mean then falls to 0.75, 0.5.
-        assert self.run(gate, [1, 1, 1, 1, 0, 0] + [0] * 8) == "LLLLLL" + "." * 8
-
-    def test_a_probe_that_pays_keeps_lookahead_on_and_resets_the_backoff(self):
-        gate = LookaheadGate(2, window=4, probe_every=8)
-        assert self.run(gate, [0] * 12) == "LLLL" + "." * 8
-        assert self.run(gate, [1] + [0] * 3 + [2] * 26) == "L" * 30
-        assert self.run(gate, [0] * 12) == "LLLL" + "." * 8  # the next pause is 8 again, not 16
-
-    def test_while_off_the_meanwhile_policy_drafts_and_learns(self):
-        from speccli.engine.policy import FixedDraftLength
-
-        class Recorder(FixedDraftLength):
-            def __init__(self) -> None:
-                super().__init__(5)
-                self.seen: list[StepEvent] = []
-
-            def observe(self, step: StepEvent) -> None:
-                self.seen.append(step)
-
-        meanwhile = Recorder()
-        gate = LookaheadGate(2, window=4, probe_every=8, meanwhile=meanwhile)
-        ks, kinds = [], []
-        for i in range(6):
-            ks.append(gate.next_k())
-            kinds.append(gate.lookahead_step)
-            if gate.lookahead_step:
-                gate.observe(StepEvent(i, 2, 0, 0.0, 0.13, fed=17, tree=True))
-            else:
-                gate.observe(StepEvent(i, 5, 3, 0.0, 0.12, fed=6))
-        assert ks == [2, 2, 2, 2, 5, 5] and kinds == [True] * 4 + [False] * 2
-        # Its own steps reach it; lookahead's do not (their tokens are not its drafts).
-        assert [e.step for e in meanwhile.seen] == [4, 5]
-        # Its trees (prompt lookup's, with --tree) are its own steps too.
-        gate.next_k()
-        gate.observe(StepEvent(6, 5, 3, 0.0, 0.12, fed=9, tree=True))
-        assert [e.step for e in meanwhile.seen] == [4, 5, 6] and not gate.lookahead_step
-
-    def test_lookahead_steps_teach_the_meanwhile_policy_what_passes_cost(self):
-        from speccli.engine.policy import AdaptiveDraftLength
-
-        meanwhile = AdaptiveDraftLength(max_k=16)
-        meanwhile.costs.seed({1: 0.10, 17: 0.20}, None)
-        gate = LookaheadGate(2, window=4, meanwhile=meanwhile)
-        gate.next_k()
-        gate.observe(StepEvent(0, 2, 1, 0.0, 0.14, fed=17, tree=True))
-        assert meanwhile.costs.verify[17] == pytest.approx(0.7 * 0.20 + 0.3 * 0.14)  # blended as its own steps are
-        assert meanwhile._tried == [0.0] * 16  # and nothing about acceptance
-
-    def test_a_gate_needs_a_window_and_a_draft_length(self):
+    def test_a_gate_needs_a_sensible_prior_and_probe_interval(self):
+        stub = LookupStub(0, 1.0, {1: 0.1})
         with pytest.raises(ValueError):
-            LookaheadGate(0)
+            LookaheadGate(SHAPE, stub, prior_gain=-0.1)
         with pytest.raises(ValueError):
-            LookaheadGate(2, window=0)
+            LookaheadGate(SHAPE, stub, prior_steps=0)
         with pytest.raises(ValueError):
-            LookaheadGate(2, break_even=-0.1)
-        with pytest.raises(ValueError):
-            LookaheadGate(2, margin=0.0)
+            LookaheadGate(SHAPE, stub, probe_every=0)
 
 
 def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
@@ -414,7 +434,8 @@ def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
     decoder = SpeculativeDecoder(wrap(pairs[0].target), tokenizer, [EOS], LookaheadDrafter())
     decoder.costs = CostProfile({1: 0.1, **{fed: 0.12 for fed in range(2, 18)}}, None)
     gate = decoder._policy_for(SpecConfig(k="auto", max_new_tokens=8))
-    assert isinstance(gate, LookaheadGate) and gate.k == DEFAULT_SHAPE.ngram - 1
-    assert gate.break_even == pytest.approx(0.2)  # a 17-token pass costs 1.2x a one-token pass
+    assert isinstance(gate, LookaheadGate) and gate.shape == DEFAULT_SHAPE
+    assert gate.extra == 16 and gate.prior_gain == pytest.approx(window_gain(17))
+    assert gate.meanwhile is decoder._adaptive  # prompt lookup's k auto, as --draft ngram's
     fixed = decoder._policy_for(SpecConfig(k=3, max_new_tokens=8))
     assert isinstance(fixed, FixedDraftLength) and fixed.k == 3

@@ -287,6 +287,21 @@ def test_prompt_lookup_without_a_match_steps_plainly_and_learns_only_the_cost():
     assert policy.policy(2).costs is policy.costs
 
 
+def test_prompt_lookup_expects_tokens_by_the_match_and_learns_without_the_cost():
+    policy = lookup_policy()
+    policy.expect(0)
+    assert policy.expected(3) == 1.0  # nothing to draft without a match
+    policy.expect(1)
+    after_one = policy.expected(2)
+    policy.expect(3)
+    assert policy.expected(2) == pytest.approx(expected_tokens(policy.policy(3).acceptance(), 2))
+    assert after_one < policy.expected(2)  # a long match's drafts come true more often
+    k = policy.next_k()
+    policy.learn(step(k, 0, 0.0, 9.9))  # lookahead's gate: the guess's outcome, not the pass's cost
+    assert policy.costs.verify == XEON_FLOAT32
+    assert policy.policy(3)._tried[0] == 1 and policy.policy(3)._kept[0] == 0
+
+
 def test_prompt_lookup_remembers_each_match_length_and_all_pooled():
     policy = lookup_policy()
     copy_and_chat_steps(policy, steps=40)

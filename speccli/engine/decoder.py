@@ -40,7 +40,7 @@ from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
 from speccli.engine.text import Detokenizer, OutputText
 from speccli.engine.context import check_fits
 from speccli.engine.lookahead import DEFAULT_SHAPE as DEFAULT_LOOKAHEAD
-from speccli.engine.lookahead import LookaheadDrafter, LookaheadGate, break_even_gain
+from speccli.engine.lookahead import LookaheadDrafter, LookaheadGate
 from speccli.engine.lookahead import choose_shape as choose_lookahead_shape
 from speccli.engine.tree import TreeShape, kept_offsets, verify_tree_greedy, verify_tree_sampled
 
@@ -210,7 +210,7 @@ class SpeculativeDecoder:
                 # Lookahead's steps are its own trees; those its gate holds back are prompt
                 # lookup's, as `--draft ngram` drafts them: chains, or trees with --tree.
                 lookahead = getattr(policy, "lookahead_step", True)
-                self.drafter.hold(not lookahead)
+                self.drafter.hold(not lookahead, getattr(policy, "guess_length", None))
                 trees = lookahead or spec.tree
                 if not lookahead:
                     tree_policy = policy.meanwhile
@@ -278,8 +278,8 @@ class SpeculativeDecoder:
             lookup = self._adaptive_policy(spec)
             if shape is None:
                 return lookup
-            # k auto also turns lookahead steps off while they accept too little to pay.
-            return LookaheadGate(shape.ngram - 1, break_even_gain(measured, shape), meanwhile=lookup)
+            # k auto adds the window and the pool to prompt lookup's steps where they pay.
+            return LookaheadGate(shape, lookup)
         if isinstance(spec.k, int):
             return FixedDraftLength(spec.k)
         return self._adaptive_policy(spec)
@@ -429,6 +429,7 @@ class SpeculativeDecoder:
         else:
             self.drafter.rollback(len(context) + len(verdict.path))
         tokens = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
+        guess = getattr(self.drafter, "guess", [])  # lookahead's: prompt lookup's guess in the tree
         last = Provenance.RESAMPLED if verdict.resampled else Provenance.BONUS
         if not tree:
             last = Provenance.TARGET
@@ -444,6 +445,8 @@ class SpeculativeDecoder:
                 fed=len(fed),
                 tree=True,
                 catch_up_seconds=caught_up,
+                guessed=len(guess),
+                guessed_kept=common_prefix_length(guess, tokens[:-1]),
             ),
         )
 

@@ -60,6 +60,10 @@ class StepEvent:
     # The part of draft_seconds the draft model spent reading text it had not seen (the
     # prompt, the tokens of plain steps) before drafting: not a cost of each drafted token.
     catch_up_seconds: float = 0.0
+    # A lookahead step: how long prompt lookup's guess in its tree was, and how many of the
+    # accepted tokens it had (the rest came from the window's and the pool's n-grams).
+    guessed: int = 0
+    guessed_kept: int = 0
 
     def __post_init__(self) -> None:
         if self.fed == 0:

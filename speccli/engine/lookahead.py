@@ -16,18 +16,17 @@ never see each other, and only the accepted path stays in the cache, so the outp
 exactly the target's.
 
 W, N and G (n-grams verified) are chosen from the measured pass costs: the shape with the
-best expected tokens per second. Where none beats plain decoding, and with k auto while
-`LookaheadGate` finds that lookahead's steps accept too little on the text at hand to pay
-for their larger passes (it tries them again now and then), the steps are prompt lookup's
-with its own k auto (`--draft ngram`): chains where the text repeats itself, plain steps
-where it does not.
+best expected tokens per second. Where none beats plain decoding the steps are prompt
+lookup's with its own k auto (`--draft ngram`): chains where the text repeats itself, plain
+steps where it does not. With k auto the steps start as those too, and `LookaheadGate` adds
+the window and the pool to a step where what they have been adding pays for their tokens.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -37,7 +36,7 @@ from speccli.engine.backends import common_prefix_length
 from speccli.engine.coupling import Noise
 from speccli.engine.drafters import PromptLookupDrafter
 from speccli.engine.events import StepEvent
-from speccli.engine.policy import DraftLengthPolicy
+from speccli.engine.policy import AdaptiveDraftLength, DraftLengthByMatch
 from speccli.engine.tree import TokenTree, TreeShape
 from speccli.engine.tree_drafters import trie
 
@@ -75,6 +74,10 @@ DEFAULT_SHAPE = LookaheadShape(5, 3, 3)
 # line in log2(tokens).
 GAIN_AT_7_TOKENS = 0.33
 GAIN_PER_DOUBLING = 0.20
+# Of that, what the window's and the pool's n-grams add beyond prompt lookup's guess in the
+# same tree: measured on a 2-core AMD EPYC in bfloat16, 0.53 tokens accepted a step against
+# 0.39 for the guess alone (12 prompts, 7 tokens a pass).
+WINDOW_GAIN_AT_7_TOKENS = 0.14
 # A shape must promise this much over plain decoding's tokens per second to be chosen.
 MIN_ADVANTAGE = 1.05
 POOL_PER_TOKEN = 8  # n-grams kept per first token, the latest
@@ -111,13 +114,10 @@ def choose_shape(pass_seconds: dict[int, float] | None) -> LookaheadShape | None
     return best
 
 
-def break_even_gain(pass_seconds: dict[int, float] | None, shape: LookaheadShape) -> float:
-    """Extra tokens per step a shape's steps must accept to pay for their larger pass (0
-    without measurements)."""
-    if not pass_seconds or 1 not in pass_seconds:
-        return 0.0
-    cost = pass_cost(pass_seconds, shape.fed)
-    return 0.0 if cost is None else max(0.0, cost / pass_seconds[1] - 1)
+def window_gain(fed: int) -> float:
+    """Extra tokens a lookahead step over `fed` tokens is expected to accept beyond prompt
+    lookup's guess in it (LookaheadGate's prior)."""
+    return max(0.0, WINDOW_GAIN_AT_7_TOKENS + GAIN_PER_DOUBLING * math.log2(fed / 7))
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,8 @@ class LookaheadDrafter:
         self.lookup_length = self._shortest_lookup()
         self._last_lookup: tuple[int, list[int]] | None = None  # (context length, the guess) of the last step
         self.held = False  # this step is prompt lookup's: k auto's gate holds lookahead back
+        self.guess_length: int | None = None  # prompt lookup's guess in a lookahead step (None: see _lookup_guess)
+        self.guess: list[int] = []  # that guess, in the last lookahead step's tree
 
     @property
     def verifies_trees(self) -> bool:
@@ -166,10 +168,13 @@ class LookaheadDrafter:
         lookup's (`propose`, `propose_tree`)."""
         return self.shape is not None
 
-    def hold(self, held: bool) -> None:
+    def hold(self, held: bool, guess_length: int | None = None) -> None:
         """Whether the next step is prompt lookup's (`LookaheadGate` holds lookahead back):
-        its tree, with `--tree`, is prompt lookup's, and no window rides along."""
+        its tree, with `--tree`, is prompt lookup's, and no window rides along. For a
+        lookahead step, `guess_length` is how long a guess prompt lookup's k auto drafts
+        (None: the guess's length follows what came true, see `_lookup_guess`)."""
         self.held = held
+        self.guess_length = guess_length
 
     def configure(self, shape: LookaheadShape | None) -> None:
         if shape != self.shape:
@@ -246,6 +251,7 @@ class LookaheadDrafter:
     ) -> TokenTree:
         """Prompt lookup's guess, then the pool's n-grams that start with the pending token,
         the latest first."""
+        self.guess = []
         if self.shape is None or self.held:
             return self.lookup.propose_tree(context, shape, sampling, generator, noise)  # `--tree` without lookahead
         if shape.max_depth <= 0:
@@ -253,7 +259,11 @@ class LookaheadDrafter:
         self._index(context)
         entries = self.pool.get(context[-1], {})
         latest = [list(c[: shape.max_depth]) for c in reversed(list(entries))][: self.shape.guesses]
-        return trie([self._lookup_guess(context, shape.max_nodes), *latest], shape.max_nodes)
+        if self.guess_length is None:
+            self.guess = self._lookup_guess(context, shape.max_nodes)
+        else:
+            self.guess = self.lookup.propose(context, self.guess_length, SamplingConfig(), None).tokens
+        return trie([self.guess, *latest], shape.max_nodes)
 
     def branch(self, context: Sequence[int]) -> Branch | None:
         """This pass's lookahead branch (None without a shape, or while held)."""
@@ -299,87 +309,120 @@ class LookaheadDrafter:
 
 
 class LookaheadGate:
-    """k auto for lookahead decoding: lookahead steps, but other steps while they do not pay.
+    """k auto for lookahead decoding: prompt lookup's k auto, with the lookahead branch and
+    the pool's n-grams beside its guess in the steps where they pay.
 
-    A lookahead step's pass is larger than a plain step's (the window rides along), so its
-    guesses must accept `break_even` extra tokens per step on average to pay for it (from
-    the measured pass costs). On text that never repeats itself they accept nothing and
-    every step pays that extra for nothing (0.75x plain decoding on an H200 with
-    random-weight models). When the last `window` lookahead steps accepted no more than
-    `margin` x `break_even` extra tokens per step, the `meanwhile` policy's steps follow
-    (prompt lookup's k auto: chains of the text's own n-grams where they pay, trees of them
-    with `--tree`, else plain steps; plain steps without one); after `probe_every` of them
-    (doubled after each probe that did not pay either, up to `max_backoff` doublings)
-    lookahead steps are tried again, judged on a fresh window. The rule counts accepted
-    tokens, not seconds: a step's seconds are too noisy on a shared CPU to judge a few
-    steps by (a rule that compared moving averages of them turned lookahead off on a CPU
-    where it paid, 1.16x plain decoding instead of 1.38x). Over a window, not a run of
-    failures: on chat text the window's n-grams come true now and then. A window's mean is
-    a noisy estimate, hence the margin and the 32 steps: with 16 steps and the break-even
-    itself as the bar, chat text that brought 0.36 extra tokens per step against a
-    break-even of 0.16 (a Xeon with AMX) fell below it now and then, and a third of its
-    steps ran plain; text that brings nothing still turns lookahead off after 32 steps.
+    Each step starts as `--draft ngram`'s: the `meanwhile` policy (prompt lookup's k auto)
+    chooses how long a guess of the text's own continuation to draft, and expects `e`
+    tokens from it. A lookahead step verifies that same guess in a tree with the pool's
+    n-grams, and the window rides along: a pass over `extra` more tokens. It is taken when
+    what the window and the pool have added beyond the guess, `gain` tokens per lookahead
+    step as measured (each lookahead step says how many of its accepted tokens the guess
+    alone had), pays for those tokens on the measured cost curve:
+    (e + gain) / cost(fed + extra) > e / cost(fed). So lookahead's steps are prompt lookup's
+    where the window costs more than it brings (a CPU whose passes grow with the tokens
+    fed), and more where it is nearly free (a GPU with graphs, a CPU with bfloat16 matrix
+    units). Comparing with plain decoding instead kept the window on where prompt lookup's
+    own steps paid better (a 2-core AMD EPYC: lookahead 0.94x `--draft ngram`).
+
+    While lookahead is off its gain is not measured: after `probe_every` steps without it
+    (doubled after each probe after which it still did not pay, up to `max_backoff`
+    doublings) a run of `probe_steps` lookahead steps measures it again; a run, since the
+    window's levels fill over N - 1 steps before its n-grams come. The gain is a mean over
+    the lookahead steps that forgets (`forgetting` a step), starting from `prior_gain`
+    worth `prior_steps` steps.
     """
 
     def __init__(
         self,
-        k: int,
-        break_even: float = 0.0,
-        window: int = 32,
+        shape: LookaheadShape,
+        meanwhile: AdaptiveDraftLength | DraftLengthByMatch,
+        prior_gain: float | None = None,
+        prior_steps: float = 4.0,
+        forgetting: float = 0.95,
         probe_every: int = 16,
+        probe_steps: int | None = None,
         max_backoff: int = 3,
-        margin: float = 0.5,
-        meanwhile: DraftLengthPolicy | None = None,
     ) -> None:
-        if k < 1 or window < 1 or break_even < 0 or not 0 < margin <= 1:
+        if prior_gain is not None and prior_gain < 0 or prior_steps <= 0 or probe_every < 1:
             raise ValueError(
-                f"need k >= 1, window >= 1, break_even >= 0 and 0 < margin <= 1, got {k}, {window}, {break_even}, {margin}"
+                f"need prior_gain >= 0, prior_steps > 0 and probe_every >= 1, got {prior_gain}, {prior_steps}, {probe_every}"
             )
-        self.k = k
-        self.break_even = break_even
-        self.margin = margin
-        self.window = window
-        self.probe_every = probe_every
-        self.max_backoff = max_backoff
+        self.shape = shape
         self.meanwhile = meanwhile
-        self.on = True
-        self._recent: deque[int] = deque(maxlen=window)  # tokens accepted by the latest lookahead steps
-        self._steps_off = 0  # steps without lookahead since it went off
-        self._failed_runs = 0
+        self.extra = (shape.window + shape.guesses) * (shape.ngram - 1)
+        self.prior_gain = window_gain(shape.fed) if prior_gain is None else prior_gain
+        self.prior_steps = prior_steps
+        self.forgetting = forgetting
+        self.probe_every = probe_every
+        self.probe_steps = probe_steps if probe_steps is not None else 2 * (shape.ngram - 1)
+        self.max_backoff = max_backoff
+        self.guess_length = 0  # prompt lookup's guess in the coming step
+        self.lookahead_step = True  # whether the coming step is a lookahead one
+        self._gain_sum = 0.0
+        self._gain_steps = 0.0
+        self._steps_off = 0  # steps without lookahead since the last lookahead step
+        self._probe_left = 0  # lookahead steps left in a probe run
+        self._judging_probe = False  # the next decision says whether the probe paid
+        self._failed_probes = 0
+
+    @property
+    def gain(self) -> float:
+        """Extra tokens a lookahead step brings beyond prompt lookup's guess in it."""
+        return (self._gain_sum + self.prior_gain * self.prior_steps) / (self._gain_steps + self.prior_steps)
+
+    def cut(self, guess_length: int) -> int:
+        """How much of a guess fits beside the window in the largest pass measured (no
+        pass goes past the calibration)."""
+        measured = self.meanwhile.costs.verify
+        return max(0, min(guess_length, max(measured) - 1 - self.extra)) if measured else guess_length
+
+    def pays(self, guess_length: int) -> bool:
+        """Whether a lookahead step, carrying as much of prompt lookup's guess as fits,
+        promises more tokens per second than prompt lookup's step with the whole guess
+        (True without measured costs)."""
+        costs = self.meanwhile.costs
+        if not costs.verify:
+            return True
+        carried = self.cut(guess_length)
+        alone = self.meanwhile.expected(guess_length) / costs.verify_seconds(guess_length + 1)
+        beside = (self.meanwhile.expected(carried) + self.gain) / costs.verify_seconds(carried + 1 + self.extra)
+        return beside > alone
 
     def next_k(self) -> int:
-        interval = self.probe_every * 2 ** min(self._failed_runs - 1, self.max_backoff)
-        if not self.on and self._steps_off >= interval:
-            self.on = True
-        if self.on:
-            return self.k
-        return self.meanwhile.next_k() if self.meanwhile is not None else 0
+        wanted = self.meanwhile.next_k()
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            lookahead = True
+        else:
+            lookahead = self.pays(wanted)
+            if self._judging_probe:
+                self._judging_probe = False
+                self._failed_probes = 0 if lookahead else self._failed_probes + 1
+            interval = self.probe_every * 2 ** min(self._failed_probes, self.max_backoff)
+            if not lookahead and self._steps_off >= interval:
+                lookahead = True
+                self._probe_left = self.probe_steps - 1
+                self._judging_probe = True
+        self.lookahead_step = lookahead
+        self.guess_length = self.cut(wanted) if lookahead else wanted
+        self._steps_off = 0 if lookahead else self._steps_off + 1
+        # A lookahead step's tree holds the pool's n-grams, N - 1 deep, beside the guess.
+        return max(self.guess_length, self.shape.ngram - 1) if lookahead else self.guess_length
 
     def expect(self, match: int) -> None:
         """The length of prompt lookup's match for the coming step, for the `meanwhile` policy."""
         if hasattr(self.meanwhile, "expect"):
             self.meanwhile.expect(match)
 
-    @property
-    def lookahead_step(self) -> bool:
-        """Whether the step `next_k` was just asked for is a lookahead step."""
-        return self.on
-
     def observe(self, step: StepEvent) -> None:
-        if not self.on or not step.tree or step.fed <= 1:  # not a lookahead step
-            self._steps_off += 1
-            if self.meanwhile is not None:
-                self.meanwhile.observe(step)
+        if not self.lookahead_step or not step.tree:
+            self.meanwhile.observe(step)
             return
-        costs = getattr(self.meanwhile, "costs", None)
-        if costs is not None:
-            costs.observe(step)  # a pass's cost is the same whatever it verifies
-        self._recent.append(step.accepted)
-        if len(self._recent) < self.window:
-            return
-        if sum(self._recent) / self.window > self.margin * self.break_even:
-            self._failed_runs = 0
-        elif self.on:
-            self.on, self._steps_off = False, 0
-            self._failed_runs += 1
-            self._recent.clear()
+        # The pass's cost is what it is whatever it verifies; the guess in its tree is
+        # prompt lookup's draft, verified as a chain would have been (its kept prefix).
+        self.meanwhile.costs.observe(step)
+        guess = replace(step, drafted=step.guessed, accepted=step.guessed_kept, fed=step.guessed + 1, tree=False)
+        self.meanwhile.learn(guess)
+        self._gain_sum = self._gain_sum * self.forgetting + (step.accepted - step.guessed_kept)
+        self._gain_steps = self._gain_steps * self.forgetting + 1

@@ -272,6 +272,10 @@ class AdaptiveDraftLength:
                 best_k, best_rate = k, rate
         return best_k
 
+    def expected(self, k: int) -> float:
+        """Tokens a step that drafts k is expected to give now."""
+        return expected_tokens(self.acceptance(), k)
+
     def observe(self, step: StepEvent) -> None:
         self.costs.observe(step)
         self.learn(step)
@@ -362,8 +366,16 @@ class DraftLengthByMatch:
         self._asked = self.policy(self._match) if self._match > 0 else None
         return self._asked.next_k() if self._asked is not None else 0
 
+    def expected(self, k: int) -> float:
+        """Tokens a step that drafts k after the coming step's match is expected to give."""
+        return self.policy(self._match).expected(k) if self._match > 0 else 1.0
+
     def observe(self, step: StepEvent) -> None:
         self.costs.observe(step)
+        self.learn(step)
+
+    def learn(self, step: StepEvent) -> None:
+        """What the step says about the acceptance after its match (`observe` less the costs)."""
         asked, self._asked = self._asked, None
         if asked is not None:
             asked.learn(step)
