@@ -344,6 +344,11 @@ class LookupStub:
 SHAPE = LookaheadShape(2, 3, 1)  # the window and the pool: 6 tokens beside the guess
 
 
+def make_gate(k: int, expected: float, pass_seconds: dict[int, float], **kwargs) -> LookaheadGate:
+    """A gate over prompt lookup's k auto drafting k, expecting `expected` tokens, on this cost curve."""
+    return LookaheadGate(SHAPE, LookupStub(k, expected, pass_seconds), dict(pass_seconds), **kwargs)
+
+
 class TestGate:
     @staticmethod
     def run(gate: LookaheadGate, gains: list[int]) -> str:
@@ -359,33 +364,45 @@ class TestGate:
         return "".join(chosen)
 
     def test_the_window_rides_where_its_gain_pays_for_its_tokens(self):
-        flat = LookaheadGate(SHAPE, LookupStub(0, 1.0, {fed: 0.1 for fed in range(1, 18)}), prior_gain=0.05)
+        flat = make_gate(0, 1.0, {fed: 0.1 for fed in range(1, 18)}, prior_gain=0.05)
         assert flat.pays(0)  # any gain, at no cost
         # 7 tokens cost 1.2x one: a gain of 0.25 pays, 0.15 does not.
         costs = {1: 0.10, 7: 0.12, 17: 0.2}
-        assert LookaheadGate(SHAPE, LookupStub(0, 1.0, costs), prior_gain=0.25).pays(0)
-        assert not LookaheadGate(SHAPE, LookupStub(0, 1.0, costs), prior_gain=0.15).pays(0)
+        assert make_gate(0, 1.0, costs, prior_gain=0.25).pays(0)
+        assert not make_gate(0, 1.0, costs, prior_gain=0.15).pays(0)
+
+    def test_both_steps_are_priced_by_the_calibration_not_by_what_one_size_measured_since(self):
+        # One-token passes measured slower since (0.2 s): against the window's size, still at
+        # its calibrated cost, the window would look nearly free.
+        costs = {1: 0.10, 7: 0.12, 17: 0.2}
+        gate = make_gate(0, 1.0, costs, prior_gain=0.15)
+        gate.meanwhile.costs.verify[1] = 0.2
+        assert not gate.pays(0)
+
+    def test_without_measured_costs_every_step_is_a_lookahead_step(self):
+        gate = LookaheadGate(SHAPE, LookupStub(3, 2.0, {1: 0.1}), None, prior_gain=0.0)
+        assert gate.pays(3) and gate.next_k() == 3 and gate.guess_length == 3
 
     def test_prompt_lookups_own_step_wins_where_its_guess_brings_more_than_the_window(self):
         # Its 2-token guess, 2.5 tokens expected in a 3-token pass, against the same guess
         # beside the window in a 9-token pass that costs 1.5x as much: a gain of 1 does not pay.
         costs = {1: 0.10, 3: 0.10, 9: 0.15, 17: 0.2}
-        gate = LookaheadGate(SHAPE, LookupStub(2, 2.5, costs), prior_gain=1.0)
+        gate = make_gate(2, 2.5, costs, prior_gain=1.0)
         assert not gate.pays(2) and gate.next_k() == 2 and not gate.lookahead_step and gate.guess_length == 2
-        gate = LookaheadGate(SHAPE, LookupStub(2, 2.5, costs), prior_gain=1.5)
+        gate = make_gate(2, 2.5, costs, prior_gain=1.5)
         assert gate.pays(2) and gate.next_k() == 2 and gate.lookahead_step and gate.guess_length == 2
 
     def test_the_guess_is_cut_to_what_fits_beside_the_window(self):
-        gate = LookaheadGate(SHAPE, LookupStub(5, 3.0, {fed: 0.1 for fed in range(1, 10)}), prior_gain=5.0)
+        gate = make_gate(5, 3.0, {fed: 0.1 for fed in range(1, 10)}, prior_gain=5.0)
         assert gate.cut(5) == 2  # 1 + 2 + 6 = 9 tokens, the largest pass measured
         assert gate.next_k() == 2 and gate.lookahead_step and gate.guess_length == 2
         # Without a guess the tree still holds the pool's n-grams, N - 1 deep.
-        gate = LookaheadGate(SHAPE, LookupStub(0, 1.0, {fed: 0.1 for fed in range(1, 10)}), prior_gain=5.0)
+        gate = make_gate(0, 1.0, {fed: 0.1 for fed in range(1, 10)}, prior_gain=5.0)
         assert gate.next_k() == 2 and gate.guess_length == 0
 
     def test_a_lookahead_step_teaches_prompt_lookup_its_guess_and_the_gate_the_gain(self):
         stub = LookupStub(3, 2.0, {fed: 0.1 for fed in range(1, 18)})
-        gate = LookaheadGate(SHAPE, stub, prior_gain=0.5, prior_steps=1.0)
+        gate = LookaheadGate(SHAPE, stub, dict(stub.costs.verify), prior_gain=0.5, prior_steps=1.0)
         gate.next_k()
         step = StepEvent(0, 3, 3, 0.0, 0.14, fed=10, tree=True, guessed=3, guessed_kept=1)
         gate.observe(step)
@@ -396,7 +413,7 @@ class TestGate:
 
     def test_prompt_lookups_own_steps_reach_it_whole(self):
         stub = LookupStub(2, 2.5, {1: 0.1, 3: 0.1, 9: 0.3, 17: 0.4})
-        gate = LookaheadGate(SHAPE, stub, prior_gain=0.0)
+        gate = LookaheadGate(SHAPE, stub, dict(stub.costs.verify), prior_gain=0.0)
         gate.next_k()
         gate.observe(StepEvent(0, 2, 1, 0.0, 0.1))
         assert [e.step for e in stub.observed] == [0] and stub.learned == []
@@ -404,14 +421,14 @@ class TestGate:
     def test_where_the_window_does_not_pay_runs_of_probes_measure_it_and_back_off(self):
         # Nothing gained: off, then a 4-step probe run (N - 1 = 2 levels to fill, twice) after
         # 8 steps, 16, 32, then 32 again (two doublings at most).
-        gate = LookaheadGate(SHAPE, LookupStub(0, 1.0, {1: 0.1, 7: 0.2, 17: 0.3}), prior_gain=0.0, probe_every=8, max_backoff=2)
+        gate = make_gate(0, 1.0, {1: 0.1, 7: 0.2, 17: 0.3}, prior_gain=0.0, probe_every=8, max_backoff=2)
         steps = 8 + 4 + 16 + 4 + 32 + 4 + 32 + 4
         assert self.run(gate, [0] * steps) == (
             "." * 8 + "LLLL" + "." * 16 + "LLLL" + "." * 32 + "LLLL" + "." * 32 + "LLLL"
         )
 
     def test_a_probe_that_finds_a_gain_keeps_lookahead_on_and_resets_the_backoff(self):
-        gate = LookaheadGate(SHAPE, LookupStub(0, 1.0, {1: 0.1, 7: 0.12, 17: 0.3}), prior_gain=0.0, probe_every=8)
+        gate = make_gate(0, 1.0, {1: 0.1, 7: 0.12, 17: 0.3}, prior_gain=0.0, probe_every=8)
         assert self.run(gate, [0] * 20) == "." * 8 + "LLLL" + "." * 8
         # The next probe comes after 16 steps (one failed probe) and finds a token a step.
         assert self.run(gate, [0] * 8 + [1] * 10) == "." * 8 + "L" * 10

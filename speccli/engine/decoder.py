@@ -279,7 +279,7 @@ class SpeculativeDecoder:
             if shape is None:
                 return lookup
             # k auto adds the window and the pool to prompt lookup's steps where they pay.
-            return LookaheadGate(shape, lookup)
+            return LookaheadGate(shape, lookup, measured)
         if isinstance(spec.k, int):
             return FixedDraftLength(spec.k)
         return self._adaptive_policy(spec)

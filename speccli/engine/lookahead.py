@@ -331,12 +331,18 @@ class LookaheadGate:
     window's levels fill over N - 1 steps before its n-grams come. The gain is a mean over
     the lookahead steps that forgets (`forgetting` a step), starting from `prior_gain`
     worth `prior_steps` steps.
+
+    Both sides are priced by one curve, `pass_seconds` (the calibration's): the online
+    estimates refresh the sizes the steps feed (one token, mostly) and leave the window's
+    at the calibration's, so on a machine slower than when it calibrated the window looked
+    cheaper than it was. No pass cost known: every step is a lookahead step.
     """
 
     def __init__(
         self,
         shape: LookaheadShape,
         meanwhile: AdaptiveDraftLength | DraftLengthByMatch,
+        pass_seconds: dict[int, float] | None = None,
         prior_gain: float | None = None,
         prior_steps: float = 4.0,
         forgetting: float = 0.95,
@@ -350,6 +356,7 @@ class LookaheadGate:
             )
         self.shape = shape
         self.meanwhile = meanwhile
+        self.pass_seconds = pass_seconds
         self.extra = (shape.window + shape.guesses) * (shape.ngram - 1)
         self.prior_gain = window_gain(shape.fed) if prior_gain is None else prior_gain
         self.prior_steps = prior_steps
@@ -374,19 +381,19 @@ class LookaheadGate:
     def cut(self, guess_length: int) -> int:
         """How much of a guess fits beside the window in the largest pass measured (no
         pass goes past the calibration)."""
-        measured = self.meanwhile.costs.verify
-        return max(0, min(guess_length, max(measured) - 1 - self.extra)) if measured else guess_length
+        if not self.pass_seconds:
+            return guess_length
+        return max(0, min(guess_length, max(self.pass_seconds) - 1 - self.extra))
 
     def pays(self, guess_length: int) -> bool:
         """Whether a lookahead step, carrying as much of prompt lookup's guess as fits,
         promises more tokens per second than prompt lookup's step with the whole guess
         (True without measured costs)."""
-        costs = self.meanwhile.costs
-        if not costs.verify:
+        if not self.pass_seconds:
             return True
         carried = self.cut(guess_length)
-        alone = self.meanwhile.expected(guess_length) / costs.verify_seconds(guess_length + 1)
-        beside = (self.meanwhile.expected(carried) + self.gain) / costs.verify_seconds(carried + 1 + self.extra)
+        alone = self.meanwhile.expected(guess_length) / pass_cost(self.pass_seconds, guess_length + 1)
+        beside = (self.meanwhile.expected(carried) + self.gain) / pass_cost(self.pass_seconds, carried + 1 + self.extra)
         return beside > alone
 
     def next_k(self) -> int:
