@@ -7,6 +7,7 @@ import io
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -644,3 +645,16 @@ def test_benchmark_keeps_the_fastest_of_repeated_runs():
     assert best["repeats_identical"] is True
     runs[2]["tokens"] = [1, 3]
     assert fastest_run(runs)["repeats_identical"] is False
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 6])
+def test_benchmark_orders_each_method_first_and_after_each_other_equally_often(count):
+    balanced_order = _benchmark_script().balanced_order
+    methods = [f"m{i}" for i in range(count)]
+    rounds = count if count % 2 == 0 else 2 * count
+    orders = [balanced_order(methods, sequence) for sequence in range(rounds)]
+    assert all(sorted(order) == methods for order in orders)
+    firsts = Counter(order[0] for order in orders)
+    assert set(firsts.values()) == {rounds // count}
+    follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert len(follows) == count * (count - 1) and set(follows.values()) == {rounds // count}
