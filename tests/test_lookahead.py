@@ -142,6 +142,11 @@ class TestPool:
         assert tree.tokens == []  # nothing of the text before is offered
 
 
+# Pass cost by tokens fed, x one token: a 2-core AMD EPYC in bfloat16 on 2026-12-03.
+AMD_BFLOAT16 = {1: 1.0, 2: 1.0, 3: 1.04, 4: 1.06, 5: 1.11, 6: 1.16, 7: 1.16, 8: 1.2, 9: 1.25, 10: 1.41, 11: 1.31,
+                12: 1.43, 13: 1.39, 14: 1.41, 15: 1.43, 16: 1.44, 17: 1.69}
+
+
 class TestShapeChoice:
     def test_flat_costs_take_the_largest_measured_shape(self):
         costs = {fed: 0.170 for fed in range(1, 18)}
@@ -156,10 +161,19 @@ class TestShapeChoice:
         costs = {1: 0.404, **{fed: 1.0 for fed in range(2, 18)}}
         assert choose_shape(costs) is None
 
-    def test_a_curve_that_grows_with_every_token_takes_a_small_shape(self):
+    def test_a_curve_that_grows_with_every_token_takes_the_smallest_shape(self):
         # A 2-core AMD EPYC in bfloat16: 184 ms for 1 token, 222 for 7, 255 for 11, 289 for 16.
         costs = {fed: 0.2 * (1 + 0.025 * (fed - 1)) for fed in range(1, 18)}  # 17 tokens: 1.4x
-        assert choose_shape(costs) == LookaheadShape(3, 3, 2)  # 11 tokens: 1.25x
+        assert choose_shape(costs) == LookaheadShape(2, 2, 1)  # 4 tokens: 1.075x, for 0.11 more tokens
+
+    def test_where_a_few_tokens_cost_what_one_does_a_small_window(self):
+        # The AMD EPYC in bfloat16 on 2026-12-03 (one-token products as two rows): 4 tokens
+        # 1.06x one, 7 tokens 1.16x; the 7-token shape promises 1.14 tokens for 1.16x a pass.
+        assert choose_shape({fed: 0.162 * r for fed, r in AMD_BFLOAT16.items()}) == LookaheadShape(2, 2, 1)
+
+    def test_the_smallest_window_where_its_pass_is_the_cheaper(self):
+        costs = {1: 0.1, 2: 0.1, 3: 0.1, **{fed: 0.11 + 0.01 * fed for fed in range(4, 18)}}
+        assert choose_shape(costs) == LookaheadShape(1, 2, 1)
 
     def test_a_nearly_flat_cpu_curve_takes_the_largest_measured_shape(self):
         # A 2-core Xeon with AMX in bfloat16 (scripts/pass_costs.py): 16 tokens cost 1.14x one.
@@ -183,17 +197,26 @@ class TestShapeChoice:
         assert window_gain(7) == pytest.approx(0.14)
         assert window_gain(14) == pytest.approx(0.34)
         assert window_gain(2) == 0.0
+        assert window_gain(3) == pytest.approx(0.08)  # measured, where the line says nothing
+        assert window_gain(4) == pytest.approx(0.11)
 
 
-@pytest.mark.parametrize("k", [2, 3, "auto"])
+# Flat measured costs: the largest shape. The AMD EPYC's bfloat16 curve: a small one (W 2, N 2, G 1).
+AUTO_COSTS = {"auto": {fed: 0.1 for fed in range(1, 18)}, "auto-steep": {fed: 0.1 * r for fed, r in AMD_BFLOAT16.items()}}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, "auto", "auto-steep"])
 @pytest.mark.parametrize("pair_index", [0, 1])
 def test_lookahead_equals_target_greedy(pairs, tokenizer, pair_index, k):
     from test_decoder_greedy import target_greedy
 
     pair = pairs[pair_index]
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], LookaheadDrafter())
-    if k == "auto":  # flat measured costs: the largest shape
-        decoder.costs = CostProfile({fed: 0.1 for fed in range(1, 18)}, None)
+    if k in AUTO_COSTS:
+        decoder.costs = CostProfile(AUTO_COSTS[k], None)
+        shape = choose_shape(decoder.costs.verify_seconds)
+        assert shape == (LookaheadShape(2, 2, 1) if k == "auto-steep" else LookaheadShape(5, 3, 3))
+        k = "auto"
     accepted = 0
     for prompt in PROMPTS:
         ids = encode(tokenizer, prompt)

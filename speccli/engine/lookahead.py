@@ -63,29 +63,27 @@ SHAPES = (
     LookaheadShape(4, 3, 2),  # 13
     LookaheadShape(3, 3, 2),  # 11
     LookaheadShape(2, 3, 1),  # 7
+    LookaheadShape(2, 2, 1),  # 4
+    LookaheadShape(1, 2, 1),  # 3: a window of one token, a pool of the target's 2-grams
 )
 DEFAULT_SHAPE = LookaheadShape(5, 3, 3)
-# What a lookahead step is expected to gain over a plain one, in extra tokens, by the tokens
-# in its pass: a prior, since what comes true depends on the text. Measured in bfloat16 over
-# the 12 default prompts, the median over the lookahead steps (prompt lookup's guess
-# included): on a 2-core Xeon with AMX, same code, same day, 0.33 with 7 tokens a pass
-# (W 2, N 3, G 1) and 0.58 with 17 (W 5, N 3, G 3); on a 2-core AMD EPYC 0.23-0.37 with 7.
-# The paper's GPU shape (121 tokens) is reported at 1.5-2x, about 1 extra. Between them, a
-# line in log2(tokens).
-GAIN_AT_7_TOKENS = 0.33
-GAIN_PER_DOUBLING = 0.20
-# Of that, what the window's and the pool's n-grams add beyond prompt lookup's guess in the
-# same tree: measured on a 2-core AMD EPYC in bfloat16, 0.53 tokens accepted a step against
-# 0.39 for the guess alone (12 prompts, 7 tokens a pass).
+# What the window's and the pool's n-grams add to a step beyond prompt lookup's guess in the
+# same tree, in extra tokens accepted, by the tokens in its pass: a prior (what comes true
+# depends on the text), which LookaheadGate replaces with what it measures. Measured in
+# bfloat16 over the 12 default prompts: on a 2-core AMD EPYC, 0.53 tokens accepted a step
+# against 0.39 for the guess alone with 7 tokens a pass (W 2, N 3, G 1); on a 2-core Xeon
+# with AMX, lookahead steps made 0.33 extra tokens over plain ones with 7 tokens and 0.58
+# with 17, about 0.2 more per doubling; the paper's GPU shape (121 tokens) is reported at
+# 1.5-2x. From 7 tokens up, a line in log2(tokens).
 WINDOW_GAIN_AT_7_TOKENS = 0.14
-# A shape must promise this much over plain decoding's tokens per second to be chosen.
-MIN_ADVANTAGE = 1.05
+GAIN_PER_DOUBLING = 0.20
+# Below 7 tokens the line says nothing is gained, yet the smallest shapes, forced on every
+# step beside prompt lookup's guess, made this many more tokens a step than prompt lookup's
+# own steps (median of the 12 default prompts, a 2-core AMD EPYC in bfloat16, 2026-12-03): by
+# tokens in a pass, 0.08 with 3 (W 1, N 2, G 1), 0.11 with 4 (W 2, N 2, G 1). Their passes
+# are mostly 2-3 tokens (the pool is often empty), which there cost what one token does.
+SMALL_WINDOW_GAIN = {3: 0.08, 4: 0.11}
 POOL_PER_TOKEN = 8  # n-grams kept per first token, the latest
-
-
-def expected_gain(fed: int) -> float:
-    """Extra tokens a lookahead step over `fed` tokens is expected to accept (the prior above)."""
-    return max(0.0, GAIN_AT_7_TOKENS + GAIN_PER_DOUBLING * math.log2(fed / 7))
 
 
 def pass_cost(pass_seconds: dict[int, float], fed: int) -> float | None:
@@ -97,18 +95,20 @@ def pass_cost(pass_seconds: dict[int, float], fed: int) -> float | None:
 
 
 def choose_shape(pass_seconds: dict[int, float] | None) -> LookaheadShape | None:
-    """The shape with the best expected tokens per second, (1 + expected_gain) / its pass's
-    cost, from measured costs: small shapes where a pass grows with its tokens, large ones
-    where passes are nearly flat. None (plain decoding) when no shape promises
-    MIN_ADVANTAGE x plain decoding; the default without measurements."""
+    """The shape whose steps promise the most tokens per second beside prompt lookup's: at
+    a step where prompt lookup guesses nothing (the commonest, on most text), (1 +
+    window_gain) / its pass's cost, from measured costs: small shapes where a pass grows
+    with its tokens, large ones where passes are nearly flat. None (prompt lookup's steps
+    alone) when no shape promises more than a one-token pass; the default without
+    measurements. LookaheadGate then takes the chosen shape's steps where they pay."""
     if not pass_seconds or 1 not in pass_seconds:
         return DEFAULT_SHAPE
-    best, best_rate = None, MIN_ADVANTAGE / pass_seconds[1]
+    best, best_rate = None, 1 / pass_seconds[1]
     for shape in SHAPES:
         cost = pass_cost(pass_seconds, shape.fed)
         if cost is None:
             continue  # larger than anything measured: unknown, not assumed cheap
-        rate = (1 + expected_gain(shape.fed)) / cost
+        rate = (1 + window_gain(shape.fed)) / cost
         if rate > best_rate:
             best, best_rate = shape, rate
     return best
@@ -116,7 +116,9 @@ def choose_shape(pass_seconds: dict[int, float] | None) -> LookaheadShape | None
 
 def window_gain(fed: int) -> float:
     """Extra tokens a lookahead step over `fed` tokens is expected to accept beyond prompt
-    lookup's guess in it (LookaheadGate's prior)."""
+    lookup's guess in it (the prior above)."""
+    if fed in SMALL_WINDOW_GAIN:
+        return SMALL_WINDOW_GAIN[fed]
     return max(0.0, WINDOW_GAIN_AT_7_TOKENS + GAIN_PER_DOUBLING * math.log2(fed / 7))
 
 
