@@ -161,7 +161,7 @@ class TestShapeChoice:
         costs = {1: 0.404, **{fed: 1.0 for fed in range(2, 18)}}
         assert choose_shape(costs) is None
 
-    def test_a_curve_that_grows_with_every_token_takes_the_smallest_shape(self):
+    def test_a_curve_that_grows_with_every_token_takes_a_small_shape(self):
         # A 2-core AMD EPYC in bfloat16: 184 ms for 1 token, 222 for 7, 255 for 11, 289 for 16.
         costs = {fed: 0.2 * (1 + 0.025 * (fed - 1)) for fed in range(1, 18)}  # 17 tokens: 1.4x
         assert choose_shape(costs) == LookaheadShape(2, 2, 1)  # 4 tokens: 1.075x, for 0.11 more tokens
@@ -202,7 +202,8 @@ class TestShapeChoice:
 
 
 # Flat measured costs: the largest shape. The AMD EPYC's bfloat16 curve: a small one (W 2, N 2, G 1).
-AUTO_COSTS = {"auto": {fed: 0.1 for fed in range(1, 18)}, "auto-steep": {fed: 0.1 * r for fed, r in AMD_BFLOAT16.items()}}
+AUTO_COSTS = {"auto": {fed: 0.1 for fed in range(1, 18)},
+              "auto-steep": {fed: 0.1 * r for fed, r in AMD_BFLOAT16.items()}}
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, "auto", "auto-steep"])
