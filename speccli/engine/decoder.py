@@ -265,7 +265,7 @@ class SpeculativeDecoder:
             return FixedDraftLength(0)
         if isinstance(self.drafter, LookaheadDrafter):
             # Its shape is chosen from the measured costs (k auto) or from k (the n-gram's
-            # continuation length); no shape that pays means plain decoding.
+            # continuation length); no shape: plain decoding with k 0, prompt lookup's steps with k auto.
             if isinstance(spec.k, int):
                 shape = replace(DEFAULT_LOOKAHEAD, ngram=spec.k + 1) if spec.k > 0 else None
                 self.drafter.configure(shape)

@@ -15,9 +15,9 @@ while code and rewrites copy longer runs). The lookahead branch and the tree
 never see each other, and only the accepted path stays in the cache, so the output is
 exactly the target's.
 
-W, N and G (n-grams verified) are chosen from the measured pass costs: the shape with the
-best expected tokens per second. Where none beats plain decoding the steps are prompt
-lookup's with its own k auto (`--draft ngram`): chains where the text repeats itself, plain
+W, N and G (n-grams verified) are chosen from the measured pass costs: the shape whose
+steps promise the most tokens per second beside prompt lookup's guess. Where none beats a
+one-token pass the steps are prompt lookup's with its own k auto (`--draft ngram`): chains where the text repeats itself, plain
 steps where it does not. With k auto the steps start as those too, and `LookaheadGate` adds
 the window and the pool to a step where what they have been adding pays for their tokens.
 """
