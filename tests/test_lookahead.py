@@ -303,14 +303,15 @@ def test_where_neither_lookahead_nor_prompt_lookup_pays_plain_decoding(pairs, to
 
 
 def test_with_tree_the_steps_the_gate_holds_back_are_prompt_lookups_trees(pairs, tokenizer):
-    # Nearly flat costs: lookahead's shape pays, and its gate is made to hold it back throughout.
-    costs = CostProfile({1: 0.1, **{fed: 0.11 for fed in range(2, 18)}}, None)
+    # Nearly flat costs, each token a little dearer (so the window is never free): lookahead's
+    # shape pays, and its gate is made to hold it back throughout.
+    costs = CostProfile({fed: 0.1 + 0.001 * fed for fed in range(1, 18)}, None)
     target = pairs[0].target
     decoders = beside_prompt_lookup(target, tokenizer, costs)
     tree_auto = SpecConfig(k="auto", max_new_tokens=MAX_NEW, tree=True)
     gate = decoders["lookahead"]._policy_for(tree_auto)
     assert isinstance(gate, LookaheadGate)
-    gate.prior_gain, gate.probe_every = 0.0, 10**6  # the window never seems to pay
+    gate.window_value, gate.prior_gain, gate.probe_every = 0.0, 0.0, 10**6  # neither the window nor the pool pays
     decoders["lookahead"]._policy_for = lambda spec: gate
     # The passes `--draft ngram --tree` makes: its trees, no window beside them.
     steps = same_passes_as_prompt_lookup(decoders, target, tokenizer, tree_auto)
@@ -387,34 +388,46 @@ class TestGate:
                 gate.observe(StepEvent(i, k, 0, 0.0, 0.10, fed=k + 1))
         return "".join(chosen)
 
-    def test_the_window_rides_where_its_gain_pays_for_its_tokens(self):
-        flat = make_gate(0, 1.0, {fed: 0.1 for fed in range(1, 18)}, prior_gain=0.05)
-        assert flat.pays(0)  # any gain, at no cost
-        # 7 tokens cost 1.2x one: a gain of 0.25 pays, 0.15 does not.
-        costs = {1: 0.10, 7: 0.12, 17: 0.2}
-        assert make_gate(0, 1.0, costs, prior_gain=0.25).pays(0)
-        assert not make_gate(0, 1.0, costs, prior_gain=0.15).pays(0)
+    def test_the_window_rides_where_its_measured_worth_pays_for_its_tokens(self):
+        flat = make_gate(0, 1.0, {fed: 0.1 for fed in range(1, 18)}, window_value=0.05)
+        assert flat.window_pays(0)  # any worth, at no cost
+        # 5 tokens (the window beside the pending one) cost 1.2x one: 0.25 tokens a step pay, 0.15 do not.
+        costs = {1: 0.10, 5: 0.12, 17: 0.2}
+        assert make_gate(0, 1.0, costs, window_value=0.25).window_pays(0)
+        assert not make_gate(0, 1.0, costs, window_value=0.15).window_pays(0)
+        # Its worth is what it brought riding every step (the prior), not what steps measure as they come.
+        assert make_gate(0, 1.0, costs).window_value == pytest.approx(window_gain(SHAPE.fed))
+
+    def test_the_pools_ngrams_pay_for_their_own_tokens_beside_the_window(self):
+        # The window rides free (5 tokens cost what one does); each n-gram adds 2 tokens, 7 cost 1.1x.
+        costs = {1: 0.1, 5: 0.1, 7: 0.11, 17: 0.2}
+        assert make_gate(0, 1.0, costs, prior_gain=0.15).pool_pays(0, window=True, candidates=1)
+        assert not make_gate(0, 1.0, costs, prior_gain=0.05).pool_pays(0, window=True, candidates=1)
+        assert not make_gate(0, 1.0, costs, prior_gain=5.0).pool_pays(0, window=True, candidates=0)
+        # Without the window, an n-gram's pass is 3 tokens, priced as 5 are: free.
+        assert make_gate(0, 1.0, costs, prior_gain=0.01).pool_pays(0, window=False, candidates=1)
 
     def test_both_steps_are_priced_by_the_calibration_not_by_what_one_size_measured_since(self):
         # One-token passes measured slower since (0.2 s): against the window's size, still at
         # its calibrated cost, the window would look nearly free.
-        costs = {1: 0.10, 7: 0.12, 17: 0.2}
-        gate = make_gate(0, 1.0, costs, prior_gain=0.15)
+        costs = {1: 0.10, 5: 0.12, 17: 0.2}
+        gate = make_gate(0, 1.0, costs, window_value=0.15)
         gate.meanwhile.costs.verify[1] = 0.2
-        assert not gate.pays(0)
+        assert not gate.window_pays(0)
 
-    def test_without_measured_costs_every_step_is_a_lookahead_step(self):
-        gate = LookaheadGate(SHAPE, LookupStub(3, 2.0, {1: 0.1}), None, prior_gain=0.0)
-        assert gate.pays(3) and gate.next_k() == 3 and gate.guess_length == 3
+    def test_without_measured_costs_every_step_carries_the_window_and_the_pool(self):
+        gate = LookaheadGate(SHAPE, LookupStub(3, 2.0, {1: 0.1}), None, prior_gain=0.0, window_value=0.0)
+        assert gate.window_pays(3) and gate.pool_pays(3, window=True)
+        assert gate.next_k() == 3 and gate.guess_length == 3 and gate.window_step and gate.pool_step
 
     def test_prompt_lookups_own_step_wins_where_its_guess_brings_more_than_the_window(self):
         # Its 2-token guess, 2.5 tokens expected in a 3-token pass, against the same guess
-        # beside the window in a 9-token pass that costs 1.5x as much: a gain of 1 does not pay.
+        # beside the window (7 tokens) and the pool (9), which cost 1.5x as much.
         costs = {1: 0.10, 3: 0.10, 9: 0.15, 17: 0.2}
-        gate = make_gate(2, 2.5, costs, prior_gain=1.0)
-        assert not gate.pays(2) and gate.next_k() == 2 and not gate.lookahead_step and gate.guess_length == 2
-        gate = make_gate(2, 2.5, costs, prior_gain=1.5)
-        assert gate.pays(2) and gate.next_k() == 2 and gate.lookahead_step and gate.guess_length == 2
+        gate = make_gate(2, 2.5, costs, prior_gain=1.0, window_value=1.0)
+        assert gate.next_k() == 2 and not gate.lookahead_step and gate.guess_length == 2
+        gate = make_gate(2, 2.5, costs, prior_gain=1.5, window_value=1.5)
+        assert gate.next_k() == 2 and gate.window_step and gate.pool_step and gate.guess_length == 2
 
     def test_the_guess_is_cut_to_what_fits_beside_the_window(self):
         gate = make_gate(5, 3.0, {fed: 0.1 for fed in range(1, 10)}, prior_gain=5.0)
@@ -459,6 +472,42 @@ class TestGate:
         # Once that fades, off again; probed after 8 steps, not 32, then after 16.
         assert re.fullmatch(r"L+\.{8}LLLL\.{16}LLLL\.+", self.run(gate, [0] * 60))
 
+    @staticmethod
+    def run_offered(gate: LookaheadGate, offers: list[int], gain: int = 0) -> str:
+        """Feed the gate steps with `offers` pool n-grams each: W (the window alone rides),
+        P (the window and the pool's n-grams), p (the pool alone) or . (prompt lookup's step)."""
+        chosen = []
+        for i, candidates in enumerate(offers):
+            gate.offer(candidates)
+            k = gate.next_k()
+            chosen.append({(True, True): "P", (True, False): "W", (False, True): "p", (False, False): "."}[
+                (gate.window_step, gate.pool_step)])
+            fed = 1 + gate.guess_length + gate.window_tokens * gate.window_step + 2 * candidates * gate.pool_step
+            gate.observe(StepEvent(i, k, gain * gate.pool_step, 0.0, 0.1, fed=fed, tree=gate.lookahead_step))
+        return "".join(chosen)
+
+    def test_a_free_window_rides_every_step_and_the_pool_is_offered_where_it_has_ngrams_that_pay(self):
+        # Passes over up to 5 tokens cost what one does (the window: 4), 7 cost 1.1x.
+        costs = {1: 0.1, 5: 0.1, 7: 0.11, 17: 0.2}
+        gate = make_gate(0, 1.0, costs, prior_gain=0.15)
+        assert self.run_offered(gate, [1, 0, 1, 0]) == "PWPW"
+        gate.offer(1)
+        assert gate.next_k() == 2 and gate.guess_length == 0  # the pool's n-grams, 2 deep
+        gate = make_gate(0, 1.0, costs, prior_gain=0.05)
+        assert self.run_offered(gate, [1, 0, 1]) == "WWW"
+        assert gate.next_k() == 1 and gate.guess_length == 0  # a tree step with no nodes: the window's pass
+        # Beside a 2-token guess the window (7 tokens, 1.1x) does not pay for its 0.05 tokens; an n-gram does.
+        gate = make_gate(2, 2.0, costs, prior_gain=1.0, window_value=0.05)
+        assert self.run_offered(gate, [1, 0]) == "p."
+
+    def test_probes_offer_the_pool_again_and_steps_without_ngrams_neither_count_nor_probe(self):
+        gate = make_gate(0, 1.0, {1: 0.1, 5: 0.1, 7: 0.12, 17: 0.3}, prior_gain=0.0, probe_every=4)
+        # Probes of the pool (N - 1 = 2 steps, twice): after 4 steps that could have offered it, then 8.
+        offers = [1, 0] * 4 + [1] * 4 + [0] * 5 + [1] * 8 + [1] * 4
+        assert self.run_offered(gate, offers) == "WW" * 4 + "PPPP" + "W" * 5 + "W" * 8 + "PPPP"
+        # The next probe after 16; its n-grams were accepted, which keeps the pool on.
+        assert self.run_offered(gate, [1] * 22, gain=1) == "W" * 16 + "P" * 6
+
     def test_a_gate_needs_a_sensible_prior_and_probe_interval(self):
         stub = LookupStub(0, 1.0, {1: 0.1})
         with pytest.raises(ValueError):
@@ -467,6 +516,8 @@ class TestGate:
             LookaheadGate(SHAPE, stub, prior_steps=0)
         with pytest.raises(ValueError):
             LookaheadGate(SHAPE, stub, probe_every=0)
+        with pytest.raises(ValueError):
+            LookaheadGate(SHAPE, stub, window_value=-0.1)
 
 
 def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
@@ -480,3 +531,18 @@ def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
     assert gate.meanwhile is decoder._adaptive  # prompt lookup's k auto, as --draft ngram's
     fixed = decoder._policy_for(SpecConfig(k=3, max_new_tokens=8))
     assert isinstance(fixed, FixedDraftLength) and fixed.k == 3
+
+
+def test_where_the_window_pays_beside_no_guess_it_rides_every_step_there(pairs, tokenizer):
+    # The AMD EPYC's bfloat16 curve (W 2, N 2, G 1): the window's 2 tokens beside the pending
+    # one cost 1.04x a one-token pass, less than its 0.11 tokens a step are worth.
+    decoder = SpeculativeDecoder(wrap(pairs[0].target), tokenizer, [EOS], LookaheadDrafter())
+    decoder.costs = CostProfile(AUTO_COSTS["auto-steep"], None)
+    steps = []
+    for prompt in PROMPTS:
+        events = list(decoder.generate(encode(tokenizer, prompt), SamplingConfig(), SpecConfig(k="auto", max_new_tokens=MAX_NEW)))
+        steps += [e for e in events if isinstance(e, StepEvent)][:-1]  # a last step may have room for one token
+    unguessed = [e for e in steps if e.tree and e.guessed == 0]
+    assert unguessed and all(e.fed >= 3 for e in unguessed)  # the pending token, the window, and the pool where it has n-grams
+    assert not [e for e in steps if e.fed == 1]  # no plain step
+    assert any(e.tree and e.fed == 3 for e in steps)  # the window alone, where the pool has nothing to offer

@@ -200,6 +200,8 @@ class SpeculativeDecoder:
                 room = min(room, max_length - len(context))
             if hasattr(policy, "expect") and hasattr(self.drafter, "match_length"):
                 policy.expect(self.drafter.match_length(context))
+            if hasattr(policy, "offer"):
+                policy.offer(self.drafter.pool_candidates(context))
             k = max(0, min(policy.next_k(), room))
 
             # The output position of the next token: the coupled rule's noise is chosen by it.
@@ -210,7 +212,12 @@ class SpeculativeDecoder:
                 # Lookahead's steps are its own trees; those its gate holds back are prompt
                 # lookup's, as `--draft ngram` drafts them: chains, or trees with --tree.
                 lookahead = getattr(policy, "lookahead_step", True)
-                self.drafter.hold(not lookahead, getattr(policy, "guess_length", None))
+                self.drafter.hold(
+                    not lookahead,
+                    getattr(policy, "guess_length", None),
+                    pool=getattr(policy, "pool_step", True),
+                    window=getattr(policy, "window_step", True),
+                )
                 trees = lookahead or spec.tree
                 if not lookahead:
                     tree_policy = policy.meanwhile

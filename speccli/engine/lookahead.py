@@ -19,7 +19,8 @@ W, N and G (n-grams verified) are chosen from the measured pass costs: the shape
 steps promise the most tokens per second beside prompt lookup's guess. Where none beats a
 one-token pass the steps are prompt lookup's with its own k auto (`--draft ngram`): chains where the text repeats itself, plain
 steps where it does not. With k auto the steps start as those too, and `LookaheadGate` adds
-the window and the pool to a step where what they have been adding pays for their tokens.
+the window to a step where what it brought riding every step pays for its tokens, and the
+pool's n-grams where what they have been adding pays for theirs.
 """
 
 from __future__ import annotations
@@ -160,6 +161,8 @@ class LookaheadDrafter:
         self.lookup_length = self._shortest_lookup()
         self._last_lookup: tuple[int, list[int]] | None = None  # (context length, the guess) of the last step
         self.held = False  # this step is prompt lookup's: k auto's gate holds lookahead back
+        self.pool_verified = True  # this lookahead step's tree offers the pool's n-grams
+        self.window_rides = True  # and the window rides along it
         self.guess_length: int | None = None  # prompt lookup's guess in a lookahead step (None: see _lookup_guess)
         self.guess: list[int] = []  # that guess, in the last lookahead step's tree
 
@@ -170,13 +173,25 @@ class LookaheadDrafter:
         lookup's (`propose`, `propose_tree`)."""
         return self.shape is not None
 
-    def hold(self, held: bool, guess_length: int | None = None) -> None:
+    def hold(self, held: bool, guess_length: int | None = None, pool: bool = True, window: bool = True) -> None:
         """Whether the next step is prompt lookup's (`LookaheadGate` holds lookahead back):
         its tree, with `--tree`, is prompt lookup's, and no window rides along. For a
         lookahead step, `guess_length` is how long a guess prompt lookup's k auto drafts
-        (None: the guess's length follows what came true, see `_lookup_guess`)."""
+        (None: the guess's length follows what came true, see `_lookup_guess`), `pool`
+        whether its tree offers the pool's n-grams beside the guess and `window` whether
+        the window rides along."""
         self.held = held
         self.guess_length = guess_length
+        self.pool_verified = pool
+        self.window_rides = window
+
+    def pool_candidates(self, context: Sequence[int]) -> int:
+        """How many of the pool's n-grams a lookahead step would offer now: those that
+        start with the pending token, up to G."""
+        if self.shape is None:
+            return 0
+        self._index(context)
+        return min(self.shape.guesses, len(self.pool.get(context[-1], ())))
 
     def configure(self, shape: LookaheadShape | None) -> None:
         if shape != self.shape:
@@ -259,7 +274,7 @@ class LookaheadDrafter:
         if shape.max_depth <= 0:
             return TokenTree([], [])
         self._index(context)
-        entries = self.pool.get(context[-1], {})
+        entries = self.pool.get(context[-1], {}) if self.pool_verified else {}
         latest = [list(c[: shape.max_depth]) for c in reversed(list(entries))][: self.shape.guesses]
         if self.guess_length is None:
             self.guess = self._lookup_guess(context, shape.max_nodes)
@@ -268,8 +283,8 @@ class LookaheadDrafter:
         return trie([self.guess, *latest], shape.max_nodes)
 
     def branch(self, context: Sequence[int]) -> Branch | None:
-        """This pass's lookahead branch (None without a shape, or while held)."""
-        if self.shape is None or self.held:
+        """This pass's lookahead branch (None without a shape, while held, or where the window does not ride)."""
+        if self.shape is None or self.held or not self.window_rides:
             return None
         width = self.shape.window
         if not self.levels:
@@ -316,28 +331,40 @@ class LookaheadGate:
 
     Each step starts as `--draft ngram`'s: the `meanwhile` policy (prompt lookup's k auto)
     chooses how long a guess of the text's own continuation to draft, and expects `e`
-    tokens from it. A lookahead step verifies that same guess in a tree with the pool's
-    n-grams, and the window rides along: a pass over `extra` more tokens. It is taken when
-    what the window and the pool have added beyond the guess, `gain` tokens per lookahead
-    step as measured (each lookahead step says how many of its accepted tokens the guess
-    alone had), pays for those tokens on the measured cost curve:
-    (e + gain) / cost(fed + extra) > e / cost(fed). So lookahead's steps are prompt lookup's
-    where the window costs more than it brings (a CPU whose passes grow with the tokens
-    fed), and more where it is nearly free (a GPU with graphs, a CPU with bfloat16 matrix
-    units). Comparing with plain decoding instead kept the window on where prompt lookup's
-    own steps paid better (a 2-core AMD EPYC: lookahead 0.94x `--draft ngram`).
+    tokens from it. Beside that guess the step may carry the window (`window_step`: its
+    W x (N - 1) tokens ride along) and offer the pool's n-grams that start with the pending
+    token (`pool_step`: N - 1 tokens each, as many as `offer` said there are, up to G), each
+    where it pays on the measured cost curve:
 
-    While lookahead is off its gain is not measured: after `probe_every` steps without it
-    (doubled after each probe after which it still did not pay, up to `max_backoff`
-    doublings) a run of `probe_steps` lookahead steps measures it again; a run, since the
-    window's levels fill over N - 1 steps before its n-grams come. The gain is a mean over
-    the lookahead steps that forgets (`forgetting` a step), starting from `prior_gain`
-    worth `prior_steps` steps.
+    - The window brings nothing in the step that carries it: its n-grams pay in later
+      steps, from the pool. So it is judged by what the window and the pool were measured
+      to bring when the window rode every step, `window_value` (the prior, `window_gain`):
+      (e + window_value) / cost(fed + window) > e / cost(fed). Judging it by what lookahead
+      steps added as they came kept a free window off: a step right after the window was
+      off finds a stale pool (a 2-core AMD EPYC in bfloat16: one-token passes in 82 of 122
+      steps, where the window riding every step made 1.04-1.09x prompt lookup's tokens per
+      second).
+    - The pool's n-grams pay in the step that offers them: what they added beyond the
+      guess, `gain` tokens per step that offered some (each step says how many of its
+      accepted tokens the guess alone had), pays for their tokens:
+      (e + gain) / cost(fed + window + pool) > e / cost(fed + window).
+
+    So lookahead's steps are prompt lookup's where the window and the pool cost more than
+    they bring (a CPU whose passes grow with the tokens fed), and carry more where tokens
+    are nearly free (a GPU with graphs, a CPU with bfloat16 matrix units). Comparing with
+    plain decoding instead kept the window on where prompt lookup's own steps paid better
+    (a 2-core AMD EPYC: lookahead 0.94x `--draft ngram`).
+
+    While the pool is not offered its gain is not measured: after `probe_every` steps that
+    could have offered some (doubled after each probe after which it still did not pay, up
+    to `max_backoff` doublings) a run of `probe_steps` steps offers it again. The gain is a
+    mean over the steps that offered it that forgets (`forgetting` a step), starting from
+    `prior_gain` worth `prior_steps` steps.
 
     Both sides are priced by one curve, `pass_seconds` (the calibration's): the online
     estimates refresh the sizes the steps feed (one token, mostly) and leave the window's
     at the calibration's, so on a machine slower than when it calibrated the window looked
-    cheaper than it was. No pass cost known: every step is a lookahead step.
+    cheaper than it was. No pass cost known: every step carries the window and the pool.
     """
 
     def __init__(
@@ -351,15 +378,24 @@ class LookaheadGate:
         probe_every: int = 16,
         probe_steps: int | None = None,
         max_backoff: int = 3,
+        window_value: float | None = None,
     ) -> None:
-        if prior_gain is not None and prior_gain < 0 or prior_steps <= 0 or probe_every < 1:
+        if (
+            prior_gain is not None and prior_gain < 0
+            or window_value is not None and window_value < 0
+            or prior_steps <= 0
+            or probe_every < 1
+        ):
             raise ValueError(
-                f"need prior_gain >= 0, prior_steps > 0 and probe_every >= 1, got {prior_gain}, {prior_steps}, {probe_every}"
+                "need prior_gain >= 0, window_value >= 0, prior_steps > 0 and probe_every >= 1, "
+                f"got {prior_gain}, {window_value}, {prior_steps}, {probe_every}"
             )
         self.shape = shape
         self.meanwhile = meanwhile
         self.pass_seconds = pass_seconds
         self.extra = (shape.window + shape.guesses) * (shape.ngram - 1)
+        self.window_tokens = shape.window * (shape.ngram - 1)
+        self.window_value = window_gain(shape.fed) if window_value is None else window_value
         self.prior_gain = window_gain(shape.fed) if prior_gain is None else prior_gain
         self.prior_steps = prior_steps
         self.forgetting = forgetting
@@ -367,57 +403,94 @@ class LookaheadGate:
         self.probe_steps = probe_steps if probe_steps is not None else 2 * (shape.ngram - 1)
         self.max_backoff = max_backoff
         self.guess_length = 0  # prompt lookup's guess in the coming step
-        self.lookahead_step = True  # whether the coming step is a lookahead one
+        self.window_step = True  # whether the window rides along the coming step
+        self.pool_step = True  # whether it offers the pool's n-grams
+        self._candidates = shape.guesses  # the pool's n-grams that start with the pending token
         self._gain_sum = 0.0
         self._gain_steps = 0.0
-        self._steps_off = 0  # steps without lookahead since the last lookahead step
-        self._probe_left = 0  # lookahead steps left in a probe run
+        self._steps_off = 0  # steps that could have offered the pool since the last that did
+        self._probe_left = 0  # steps left in a probe run
         self._judging_probe = False  # the next decision says whether the probe paid
         self._failed_probes = 0
 
     @property
+    def lookahead_step(self) -> bool:
+        """Whether the coming step is lookahead's (a tree step with the window, the pool or
+        both), not prompt lookup's own."""
+        return self.window_step or self.pool_step
+
+    @property
     def gain(self) -> float:
-        """Extra tokens a lookahead step brings beyond prompt lookup's guess in it."""
+        """Extra tokens a step that offers the pool's n-grams brings beyond prompt lookup's guess in it."""
         return (self._gain_sum + self.prior_gain * self.prior_steps) / (self._gain_steps + self.prior_steps)
 
-    def cut(self, guess_length: int) -> int:
-        """How much of a guess fits beside the window in the largest pass measured (no
-        pass goes past the calibration)."""
+    def cut(self, guess_length: int, extra: int | None = None) -> int:
+        """How much of a guess fits beside `extra` more tokens (by default the window and the
+        whole pool) in the largest pass measured (no pass goes past the calibration)."""
         if not self.pass_seconds:
             return guess_length
-        return max(0, min(guess_length, max(self.pass_seconds) - 1 - self.extra))
+        extra = self.extra if extra is None else extra
+        return max(0, min(guess_length, max(self.pass_seconds) - 1 - extra))
 
-    def pays(self, guess_length: int) -> bool:
-        """Whether a lookahead step, carrying as much of prompt lookup's guess as fits,
-        promises more tokens per second than prompt lookup's step with the whole guess
-        (True without measured costs)."""
+    def _rate(self, guess_length: int, extra: int, more: float = 0.0) -> tuple[float, int]:
+        """Tokens per second of a step carrying as much of a guess as fits beside `extra`
+        tokens and bringing `more` tokens beyond it; and how much of the guess that is."""
+        carried = self.cut(guess_length, extra)
+        tokens = self.meanwhile.expected(carried) + more
+        return tokens / pass_cost(self.pass_seconds, carried + 1 + extra), carried
+
+    def window_pays(self, guess_length: int) -> bool:
+        """Whether the window, worth `window_value` tokens a step, pays for its tokens beside
+        the guess (True without measured costs)."""
         if not self.pass_seconds:
             return True
-        carried = self.cut(guess_length)
-        alone = self.meanwhile.expected(guess_length) / pass_cost(self.pass_seconds, guess_length + 1)
-        beside = (self.meanwhile.expected(carried) + self.gain) / pass_cost(self.pass_seconds, carried + 1 + self.extra)
-        return beside > alone
+        return self._rate(guess_length, self.window_tokens, self.window_value)[0] > self._rate(guess_length, 0)[0]
+
+    def pool_pays(self, guess_length: int, window: bool, candidates: int | None = None) -> bool:
+        """Whether `candidates` of the pool's n-grams (by default G), worth `gain` tokens,
+        pay for their tokens beside the guess (and the window, where it rides)."""
+        candidates = self.shape.guesses if candidates is None else candidates
+        if candidates <= 0:
+            return False
+        if not self.pass_seconds:
+            return True
+        base = self.window_tokens if window else 0
+        offered = self._rate(guess_length, base + candidates * (self.shape.ngram - 1), self.gain)[0]
+        return offered > self._rate(guess_length, base)[0]
+
+    def offer(self, candidates: int) -> None:
+        """How many of the pool's n-grams start with the pending token, for the coming step."""
+        self._candidates = candidates
 
     def next_k(self) -> int:
         wanted = self.meanwhile.next_k()
-        if self._probe_left > 0:
+        window = self.window_pays(wanted)
+        candidates = min(self._candidates, self.shape.guesses)
+        if candidates == 0:
+            pool = False  # nothing to offer, judge or probe
+        elif self._probe_left > 0:
             self._probe_left -= 1
-            lookahead = True
+            pool = True
         else:
-            lookahead = self.pays(wanted)
+            pool = self.pool_pays(wanted, window, candidates)
             if self._judging_probe:
                 self._judging_probe = False
-                self._failed_probes = 0 if lookahead else self._failed_probes + 1
+                self._failed_probes = 0 if pool else self._failed_probes + 1
             interval = self.probe_every * 2 ** min(self._failed_probes, self.max_backoff)
-            if not lookahead and self._steps_off >= interval:
-                lookahead = True
+            if not pool and self._steps_off >= interval:
+                pool = True
                 self._probe_left = self.probe_steps - 1
                 self._judging_probe = True
-        self.lookahead_step = lookahead
-        self.guess_length = self.cut(wanted) if lookahead else wanted
-        self._steps_off = 0 if lookahead else self._steps_off + 1
-        # A lookahead step's tree holds the pool's n-grams, N - 1 deep, beside the guess.
-        return max(self.guess_length, self.shape.ngram - 1) if lookahead else self.guess_length
+        if candidates > 0:
+            self._steps_off = 0 if pool else self._steps_off + 1
+        self.window_step, self.pool_step = window, pool
+        extra = (self.window_tokens if window else 0) + (candidates * (self.shape.ngram - 1) if pool else 0)
+        self.guess_length = self.cut(wanted, extra)
+        if not self.lookahead_step:
+            return self.guess_length
+        # A lookahead step is a tree step: its tree holds the pool's n-grams, N - 1 deep,
+        # beside the guess; one the window alone rides holds the guess, or nothing.
+        return max(self.guess_length, self.shape.ngram - 1 if pool else 1)
 
     def expect(self, match: int) -> None:
         """The length of prompt lookup's match for the coming step, for the `meanwhile` policy."""
@@ -433,5 +506,6 @@ class LookaheadGate:
         self.meanwhile.costs.observe(step)
         guess = replace(step, drafted=step.guessed, accepted=step.guessed_kept, fed=step.guessed + 1, tree=False)
         self.meanwhile.learn(guess)
-        self._gain_sum = self._gain_sum * self.forgetting + (step.accepted - step.guessed_kept)
-        self._gain_steps = self._gain_steps * self.forgetting + 1
+        if self.pool_step:
+            self._gain_sum = self._gain_sum * self.forgetting + (step.accepted - step.guessed_kept)
+            self._gain_steps = self._gain_steps * self.forgetting + 1
