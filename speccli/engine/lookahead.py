@@ -439,19 +439,18 @@ class LookaheadGate:
         extra = self.extra if extra is None else extra
         return max(0, min(guess_length, max(self.pass_seconds) - 1 - extra))
 
-    def _rate(self, guess_length: int, extra: int, more: float = 0.0) -> tuple[float, int]:
+    def _rate(self, guess_length: int, extra: int, more: float = 0.0) -> float:
         """Tokens per second of a step carrying as much of a guess as fits beside `extra`
-        tokens and bringing `more` tokens beyond it; and how much of the guess that is."""
+        tokens and bringing `more` tokens beyond it."""
         carried = self.cut(guess_length, extra)
-        tokens = self.meanwhile.expected(carried) + more
-        return tokens / pass_cost(self.pass_seconds, carried + 1 + extra), carried
+        return (self.meanwhile.expected(carried) + more) / pass_cost(self.pass_seconds, carried + 1 + extra)
 
     def window_pays(self, guess_length: int) -> bool:
         """Whether the window, worth `window_value` tokens a step, pays for its tokens beside
         the guess (True without measured costs)."""
         if not self.pass_seconds:
             return True
-        return self._rate(guess_length, self.window_tokens, self.window_value)[0] > self._rate(guess_length, 0)[0]
+        return self._rate(guess_length, self.window_tokens, self.window_value) > self._rate(guess_length, 0)
 
     def pool_pays(self, guess_length: int, window: bool, candidates: int | None = None) -> bool:
         """Whether `candidates` of the pool's n-grams (by default G), worth `gain` tokens,
@@ -462,8 +461,8 @@ class LookaheadGate:
         if not self.pass_seconds:
             return True
         base = self.window_tokens if window else 0
-        offered = self._rate(guess_length, base + candidates * (self.shape.ngram - 1), self.gain)[0]
-        return offered > self._rate(guess_length, base)[0]
+        offered = self._rate(guess_length, base + candidates * (self.shape.ngram - 1), self.gain)
+        return offered > self._rate(guess_length, base)
 
     def offer(self, candidates: int) -> None:
         """How many of the pool's n-grams start with the pending token, for the coming step."""
