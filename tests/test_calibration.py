@@ -75,6 +75,22 @@ def test_measure_costs_takes_the_curve_from_pairs_not_from_moments_that_never_me
     assert costs.verify_seconds == pytest.approx({1: 0.1, 4: 0.2})
 
 
+def test_measure_costs_takes_eight_rounds_after_the_warm_up_by_default(pairs, monkeypatch):
+    # Three rounds put a 16-token pass anywhere from 1.37x to 1.59x a one-token pass on a
+    # 2-core AMD EPYC; lookahead's shape turns on such ratios.
+    from speccli.engine import calibration
+
+    calls: list[int] = []
+
+    def timed(model, settled, tokens):
+        calls.append(len(tokens))
+        return 0.1 * len(tokens)
+
+    monkeypatch.setattr(calibration, "_seconds", timed)
+    measure_costs(wrap(pairs[0].target), None, max_fed=2, context_tokens=4)
+    assert len(calls) == (1 + 8) * (1 + 2)  # rounds x (size 1 alone, size 2 after one token)
+
+
 def test_measure_costs_over_chosen_sizes(pairs):
     target = wrap(pairs[0].target)
     costs = measure_costs(target, None, max_fed=12, repeats=1, context_tokens=4, sizes=[12, 1, 4, 4])

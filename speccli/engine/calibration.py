@@ -4,7 +4,7 @@ The adaptive draft length weighs expected tokens against seconds. Learning the s
 online means paying for every untried draft length once, in every new session; on a
 machine where a pass over several tokens costs several times a pass over one (float32
 on a CPU), that exploration alone loses to plain decoding. So the costs are measured
-once per model pair and device (a few seconds), cached, and seed the policy, which then
+once per model pair and device (a minute or two on a CPU), cached, and seed the policy, which then
 keeps refining them from the steps it runs.
 """
 
@@ -25,6 +25,12 @@ CONTEXT_TOKENS = 64  # a typical prompt's worth of cache: attention cost is part
 # size took (their median) was measured on a busier machine than this one now is.
 OVERSTATED_BY = 1.5
 MIN_PASSES = 8  # passes of one size before their median is trusted against a calibration
+# Rounds of the curve after the warm-up. Three calibrations of the 1.5B bfloat16 target on a
+# 2-core AMD EPYC, one after another (2026-12-03), put a 16-token pass at 1.37-1.59x a
+# one-token pass with 3 rounds and at 1.49-1.54x with 8 (13 tokens: 1.30-1.43x, 1.35-1.37x).
+# Lookahead's shape turns on such ratios: a 3-round calibration that put 13 tokens at 1.07x
+# chose a 13-token window that ran at 0.99x `--draft ngram`. 8 rounds take 90 s there, once.
+ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -143,7 +149,7 @@ def measure_costs(
     target: CausalLM,
     draft: CausalLM | None,
     max_fed: int,
-    repeats: int = 3,
+    repeats: int = ROUNDS,
     context_tokens: int = CONTEXT_TOKENS,
     sizes: Sequence[int] | None = None,
 ) -> CostProfile:

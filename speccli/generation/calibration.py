@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from speccli.engine.calibration import CostProfile, measure_costs
+from speccli.engine.calibration import ROUNDS, CostProfile, measure_costs
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import ModelDrafter
 from speccli.engine.llamacpp_backend import llama_cpp_version
@@ -26,7 +26,9 @@ from speccli.models import offline
 from speccli.models.loading import LoadedModel, cpu_name, dtype_name
 from speccli.generation.pipeline import Pipeline
 
-FORMAT = 3  # 3: each size's median ratio to a one-token pass timed just before it (2: the fastest round; 1: the median)
+# 4: 8 rounds; 3: 3 rounds of each size's median ratio to a one-token pass timed just before
+# it; 2: the fastest round; 1: the median
+FORMAT = 4
 
 
 def _model_identity(model: LoadedModel) -> dict[str, Any]:
@@ -169,7 +171,7 @@ def calibrate(
     cache_dir: Path | None = None,
 ) -> CostProfile | None:
     """Give the pipeline's decoder measured costs for `k=auto`: from the cache, else by
-    measuring now (a few seconds) and caching; and the acceptance prior saved beside them,
+    measuring now (a minute or two on a CPU) and caching; and the acceptance prior saved beside them,
     if any. None when there is no drafter."""
     decoder = pipeline.decoder
     if decoder.drafter is None:
@@ -180,8 +182,8 @@ def calibrate(
     path = calibration_path(identity, cache_dir)
     costs = None if refresh else _read(path, identity)
     if costs is None:
-        say(f"calibrating: timing target passes over 1-{max_fed} tokens and one draft token"
-            " (once per model pair and device)")
+        say(f"calibrating: timing target passes over 1-{max_fed} tokens and one draft token in {ROUNDS} rounds"
+            " (once per model pair and device; a minute or two on a CPU)")
         started = time.perf_counter()
         draft_model = decoder.drafter.model if isinstance(decoder.drafter, ModelDrafter) else None
         costs = measure_costs(decoder.target, draft_model, max_fed)
