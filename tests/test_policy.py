@@ -60,6 +60,29 @@ def test_one_outlier_moves_the_estimate_by_a_bounded_step_and_a_lasting_change_i
     assert costs.draft_per_token == pytest.approx(0.02, rel=0.05)
 
 
+def test_a_seeded_curve_keeps_its_shape_while_the_steps_set_its_level():
+    costs = StepCosts()
+    costs.seed({1: 0.2, 2: 0.3, 4: 0.33}, None)
+    for _ in range(30):  # the machine runs 1.4x slower than it calibrated; steps feed one token
+        costs.observe(step(0, 0, 0.0, 0.28))
+    assert costs.level == pytest.approx(1.4, rel=0.01)
+    assert costs.verify_seconds(1) == pytest.approx(0.28, rel=0.01)
+    assert costs.verify_seconds(4) / costs.verify_seconds(1) == pytest.approx(0.33 / 0.2)
+    costs.observe(step(8, 0, 0.0, 0.5))  # 9 tokens: not calibrated, its own measurement
+    assert costs.verify_seconds(9) == 0.5 and costs.level == pytest.approx(1.4, rel=0.01)
+
+
+def test_a_machine_slower_than_it_calibrated_does_not_make_drafts_look_cheap():
+    # Drafts that come true 40% of the time do not pay where two tokens cost 1.5x one.
+    # Refreshing the one-token size alone (0.28 s measured) made 2-4 tokens look nearly free.
+    policy = AdaptiveDraftLength(max_k=3, prior_acceptance=0.4, probe_every=1000)
+    policy.costs.seed({1: 0.2, 2: 0.3, 3: 0.32, 4: 0.33}, None)
+    assert policy.next_k() == 0
+    for _ in range(30):
+        policy.observe(step(0, 0, 0.0, 0.28))
+        assert policy.next_k() == 0
+
+
 def train(policy: AdaptiveDraftLength, acceptance: float, verify, draft_per_token: float, steps: int = 60) -> list[int]:
     """Feed the policy steps whose drafted tokens survive with the given rate pattern."""
     chosen = []

@@ -368,10 +368,8 @@ class LookaheadGate:
     mean over the steps that offered it that forgets (`forgetting` a step), starting from
     `prior_gain` worth `prior_steps` steps.
 
-    Both sides are priced by one curve, `pass_seconds` (the calibration's): the online
-    estimates refresh the sizes the steps feed (one token, mostly) and leave the window's
-    at the calibration's, so on a machine slower than when it calibrated the window looked
-    cheaper than it was. No pass cost known: every step carries the window and the pool.
+    Both sides are priced by one curve, `pass_seconds` (the calibration's; its level does
+    not change which side pays). No pass cost known: every step carries the window and the pool.
     """
 
     def __init__(

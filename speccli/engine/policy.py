@@ -43,27 +43,43 @@ def expected_tokens(acceptance: list[float], k: int) -> float:
 
 @dataclass
 class StepCosts:
-    """Seconds per verification pass by number of tokens fed, and per drafted token, as
-    exponential moving averages of what the decoder measured on this machine."""
+    """Seconds per verification pass by number of tokens fed, and per drafted token, from
+    what the decoder measured on this machine.
+
+    Seeded with a calibration, the curve keeps the calibration's shape and every step
+    refines one factor for all of it: how fast the machine runs now against when it
+    calibrated (longer contexts, another load on a shared machine). Steps mostly feed one
+    size; refreshing that size alone left the others at the calibration's level, so on a
+    machine running 1.4x slower than it calibrated (float32 on a 2-core AMD EPYC) a pass
+    over 4 tokens looked 1.2x one token's instead of 1.67x and prompt lookup drafted where
+    its drafts did not pay. Sizes the calibration did not measure, and every size without
+    one, are exponential moving averages of their own measurements."""
 
     smoothing: float = 0.3
     max_jump: float = 3.0
     verify: dict[int, float] = field(default_factory=dict)
     draft_per_token: float | None = None
+    level: float = 1.0  # this machine now against the calibration: measured / calibrated seconds
+    _calibrated: dict[int, float] = field(default_factory=dict, repr=False)
     _counts: dict[object, int] = field(default_factory=dict, repr=False)
 
     def seed(self, verify: dict[int, float], draft_per_token: float | None, weight: int = 3) -> None:
         """Start from measured costs (a calibration), worth `weight` online measurements each."""
-        for fed, seconds in verify.items():
-            self.verify[fed] = seconds
-            self._counts[fed] = weight
+        self._calibrated = dict(verify)
+        self.level = 1.0
+        self._counts["level"] = weight
+        self.verify = dict(verify)
         if draft_per_token is not None:
             self.draft_per_token = draft_per_token
             self._counts["draft"] = weight
 
     def observe(self, step: StepEvent) -> None:
         fed = step.fed
-        self.verify[fed] = self._blend(fed, self.verify.get(fed), step.verify_seconds)
+        if fed in self._calibrated:
+            self.level = self._blend("level", self.level, step.verify_seconds / self._calibrated[fed])
+            self.verify.update({size: seconds * self.level for size, seconds in self._calibrated.items()})
+        else:
+            self.verify[fed] = self._blend(fed, self.verify.get(fed), step.verify_seconds)
         if step.drafted:
             self.draft_per_token = self._blend(
                 "draft", self.draft_per_token, (step.draft_seconds - step.catch_up_seconds) / step.drafted
@@ -130,9 +146,10 @@ class AdaptiveDraftLength:
     once short drafts prove good, long ones are tried.
 
     Costs are the whole measured curve (a calibration, see speccli.engine.calibration:
-    seconds of a pass by tokens fed, and of a draft token), refined from the steps
-    themselves. Where verifying k+1 tokens costs what one does, long drafts pay; where it
-    grows fast or the draft is slow, k shrinks, down to 0 (plain decoding). Drafts longer
+    seconds of a pass by tokens fed, and of a draft token), brought to the machine's
+    present speed by the steps themselves (StepCosts). Where verifying k+1 tokens costs
+    what one does, long drafts pay; where it grows fast or the draft is slow, k shrinks,
+    down to 0 (plain decoding). Drafts longer
     than the k that a draft that is always right would make best are never considered:
     past it, more never pays.
 
