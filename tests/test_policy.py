@@ -60,7 +60,7 @@ def test_one_outlier_moves_the_estimate_by_a_bounded_step_and_a_lasting_change_i
     assert costs.draft_per_token == pytest.approx(0.02, rel=0.05)
 
 
-def test_a_seeded_curve_keeps_its_shape_while_the_steps_set_its_level():
+def test_sizes_the_steps_have_not_fed_keep_the_calibrated_shape_at_the_steps_level():
     costs = StepCosts()
     costs.seed({1: 0.2, 2: 0.3, 4: 0.33}, None)
     for _ in range(30):  # the machine runs 1.4x slower than it calibrated; steps feed one token
@@ -70,6 +70,17 @@ def test_a_seeded_curve_keeps_its_shape_while_the_steps_set_its_level():
     assert costs.verify_seconds(4) / costs.verify_seconds(1) == pytest.approx(0.33 / 0.2)
     costs.observe(step(8, 0, 0.0, 0.5))  # 9 tokens: not calibrated, its own measurement
     assert costs.verify_seconds(9) == 0.5 and costs.level == pytest.approx(1.4, rel=0.01)
+
+
+def test_a_size_the_steps_keep_feeding_follows_what_it_costs_and_the_others_the_level():
+    # The calibration put 5 tokens at 1.5x one; this session's 5-token passes cost 2x its one-token ones.
+    costs = StepCosts()
+    costs.seed({1: 0.2, 3: 0.25, 5: 0.3}, None)
+    for _ in range(20):
+        costs.observe(step(0, 0, 0.0, 0.28))
+        costs.observe(step(4, 0, 0.0, 0.56))
+    assert costs.verify_seconds(5) / costs.verify_seconds(1) == pytest.approx(2.0, rel=0.01)
+    assert 0.25 * 1.4 < costs.verify_seconds(3) < 0.25 * 1.87  # unfed: the calibration's, at the steps' level
 
 
 def test_a_machine_slower_than_it_calibrated_does_not_make_drafts_look_cheap():

@@ -46,14 +46,16 @@ class StepCosts:
     """Seconds per verification pass by number of tokens fed, and per drafted token, from
     what the decoder measured on this machine.
 
-    Seeded with a calibration, the curve keeps the calibration's shape and every step
-    refines one factor for all of it: how fast the machine runs now against when it
-    calibrated (longer contexts, another load on a shared machine). Steps mostly feed one
-    size; refreshing that size alone left the others at the calibration's level, so on a
-    machine running 1.4x slower than it calibrated (float32 on a 2-core AMD EPYC) a pass
-    over 4 tokens looked 1.2x one token's instead of 1.67x and prompt lookup drafted where
-    its drafts did not pay. Sizes the calibration did not measure, and every size without
-    one, are exponential moving averages of their own measurements."""
+    Seeded with a calibration, a size the session has not fed yet costs its calibrated
+    seconds times `level`, how fast the machine runs now against when it calibrated (every
+    step refines it: longer contexts, another load on a shared machine); a size it has fed
+    follows its own measurements, from there. Steps mostly feed one size: refreshing that
+    size alone left the others at the calibration's level, so on a machine running 1.4x
+    slower than it calibrated (float32 on a 2-core AMD EPYC) a pass over 4 tokens looked
+    1.2x one token's instead of 1.67x. And the sizes a policy keeps choosing must follow
+    what they really cost: a calibration's noise makes some sizes look cheaper than they
+    are, and those are the ones chosen. Without a calibration, or for sizes it did not
+    measure, each size follows its own measurements alone."""
 
     smoothing: float = 0.3
     max_jump: float = 3.0
@@ -61,11 +63,15 @@ class StepCosts:
     draft_per_token: float | None = None
     level: float = 1.0  # this machine now against the calibration: measured / calibrated seconds
     _calibrated: dict[int, float] = field(default_factory=dict, repr=False)
+    _fed: set[int] = field(default_factory=set, repr=False)  # sizes that follow their own measurements
+    _weight: int = field(default=3, repr=False)
     _counts: dict[object, int] = field(default_factory=dict, repr=False)
 
     def seed(self, verify: dict[int, float], draft_per_token: float | None, weight: int = 3) -> None:
         """Start from measured costs (a calibration), worth `weight` online measurements each."""
         self._calibrated = dict(verify)
+        self._fed = set()
+        self._weight = weight
         self.level = 1.0
         self._counts["level"] = weight
         self.verify = dict(verify)
@@ -76,10 +82,14 @@ class StepCosts:
     def observe(self, step: StepEvent) -> None:
         fed = step.fed
         if fed in self._calibrated:
+            if fed not in self._fed:  # from here on its own: from what it was taken to cost
+                self._fed.add(fed)
+                self._counts[fed] = self._weight
             self.level = self._blend("level", self.level, step.verify_seconds / self._calibrated[fed])
-            self.verify.update({size: seconds * self.level for size, seconds in self._calibrated.items()})
-        else:
-            self.verify[fed] = self._blend(fed, self.verify.get(fed), step.verify_seconds)
+            for size, seconds in self._calibrated.items():
+                if size not in self._fed:
+                    self.verify[size] = seconds * self.level
+        self.verify[fed] = self._blend(fed, self.verify.get(fed), step.verify_seconds)
         if step.drafted:
             self.draft_per_token = self._blend(
                 "draft", self.draft_per_token, (step.draft_seconds - step.catch_up_seconds) / step.drafted
