@@ -4,8 +4,8 @@ The adaptive draft length weighs expected tokens against seconds. Learning the s
 online means paying for every untried draft length once, in every new session; on a
 machine where a pass over several tokens costs several times a pass over one (float32
 on a CPU), that exploration alone loses to plain decoding. So the costs are measured
-once per model pair and device (a minute or two on a CPU), cached, and seed the policy, which then
-keeps refining them from the steps it runs.
+once per model pair and device (a minute or two on a CPU), cached, and seed the policy,
+which then brings them to the machine's present speed from the steps it runs.
 """
 
 from __future__ import annotations

@@ -159,9 +159,8 @@ class AdaptiveDraftLength:
     seconds of a pass by tokens fed, and of a draft token), brought to the machine's
     present speed by the steps themselves (StepCosts). Where verifying k+1 tokens costs
     what one does, long drafts pay; where it grows fast or the draft is slow, k shrinks,
-    down to 0 (plain decoding). Drafts longer
-    than the k that a draft that is always right would make best are never considered:
-    past it, more never pays.
+    down to 0 (plain decoding). Drafts longer than the k that a draft that is always right
+    would make best are never considered: past it, more never pays.
 
     While k is 0 nothing is learned about acceptance, so now and then it probes: it drafts
     the k that the cost curve favours for a good draft (acceptance `probe_hope`, or the

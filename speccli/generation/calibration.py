@@ -171,8 +171,8 @@ def calibrate(
     cache_dir: Path | None = None,
 ) -> CostProfile | None:
     """Give the pipeline's decoder measured costs for `k=auto`: from the cache, else by
-    measuring now (a minute or two on a CPU) and caching; and the acceptance prior saved beside them,
-    if any. None when there is no drafter."""
+    measuring now (a minute or two on a CPU) and caching; and the acceptance prior saved
+    beside them, if any. None when there is no drafter."""
     decoder = pipeline.decoder
     if decoder.drafter is None:
         return None
