@@ -63,14 +63,14 @@ class StepCosts:
     draft_per_token: float | None = None
     level: float = 1.0  # this machine now against the calibration: measured / calibrated seconds
     _calibrated: dict[int, float] = field(default_factory=dict, repr=False)
-    _fed: set[int] = field(default_factory=set, repr=False)  # sizes that follow their own measurements
     _weight: int = field(default=3, repr=False)
     _counts: dict[object, int] = field(default_factory=dict, repr=False)
 
     def seed(self, verify: dict[int, float], draft_per_token: float | None, weight: int = 3) -> None:
         """Start from measured costs (a calibration), worth `weight` online measurements each."""
         self._calibrated = dict(verify)
-        self._fed = set()
+        for size in verify:  # a size with a count follows its own measurements
+            self._counts.pop(size, None)
         self._weight = weight
         self.level = 1.0
         self._counts["level"] = weight
@@ -82,12 +82,11 @@ class StepCosts:
     def observe(self, step: StepEvent) -> None:
         fed = step.fed
         if fed in self._calibrated:
-            if fed not in self._fed:  # from here on its own: from what it was taken to cost
-                self._fed.add(fed)
+            if fed not in self._counts:  # from here on its own: from what it was taken to cost
                 self._counts[fed] = self._weight
             self.level = self._blend("level", self.level, step.verify_seconds / self._calibrated[fed])
             for size, seconds in self._calibrated.items():
-                if size not in self._fed:
+                if size not in self._counts:
                     self.verify[size] = seconds * self.level
         self.verify[fed] = self._blend(fed, self.verify.get(fed), step.verify_seconds)
         if step.drafted:
