@@ -87,8 +87,23 @@ def test_measure_costs_takes_eight_rounds_after_the_warm_up_by_default(pairs, mo
         return 0.1 * len(tokens)
 
     monkeypatch.setattr(calibration, "_seconds", timed)
-    measure_costs(wrap(pairs[0].target), None, max_fed=2, context_tokens=4)
+    rounds: list[tuple[int, int]] = []
+    measure_costs(wrap(pairs[0].target), None, max_fed=2, context_tokens=4, on_round=lambda *done: rounds.append(done))
     assert len(calls) == (1 + 8) * (1 + 2)  # rounds x (size 1 alone, size 2 after one token)
+    assert rounds == [(done, 8) for done in range(9)]  # 0: the warm-up
+
+
+def test_round_progress_says_the_time_left_after_the_first_round_then_every_twenty_seconds():
+    from speccli.generation.calibration import RoundProgress
+
+    now = [100.0]
+    said: list[str] = []
+    progress = RoundProgress(said.append, clock=lambda: now[0])
+    progress(0, 8)  # the warm-up, 30 s after the start: not a measure of the rounds
+    for done in range(1, 9):
+        now[0] += 6.0
+        progress(done, 8)
+    assert said == ["calibrating: round 1 of 8 done, about 42 s left", "calibrating: round 5 of 8 done, about 18 s left"]
 
 
 def test_measure_costs_over_chosen_sizes(pairs):
@@ -194,7 +209,8 @@ def test_calibrate_measures_once_then_reads_the_cache(folders, tmp_path, monkeyp
     costs = calibrate(pipeline, max_k=3, progress=messages.append, cache_dir=tmp_path)
     assert sorted(costs.verify_seconds) == [1, 2, 3, 4] and costs.draft_seconds > 0
     assert pipeline.decoder.costs == costs
-    assert messages[0].startswith("calibrating") and messages[1].startswith("calibrated in")
+    assert messages[0].startswith("calibrating: timing") and messages[-1].startswith("calibrated in")
+    assert messages[1].startswith("calibrating: round 1 of 8 done, about ") and len(messages) == 3
     path = calibration_path(calibration_identity(pipeline, 4), tmp_path)
     assert json.loads(path.read_text())["identity"]["draft"]["quant"] == "int8"
 

@@ -14,7 +14,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -152,6 +152,7 @@ def measure_costs(
     repeats: int = ROUNDS,
     context_tokens: int = CONTEXT_TOKENS,
     sizes: Sequence[int] | None = None,
+    on_round: Callable[[int, int], None] | None = None,
 ) -> CostProfile:
     """Time target passes over 1..max_fed new tokens (or over `sizes`, each at most max_fed)
     and a one-token draft pass, each on top of `context_tokens` cached tokens, in `repeats`
@@ -166,7 +167,9 @@ def measure_costs(
     calibration put 17 tokens at 1.69x one token where pairs said 2.09x, and lookahead
     chose a 17-token window that ran at 0.90x plain decoding. Each round times the sizes
     in the opposite order to the round before, so a spell spoils some sizes of one round,
-    not every measurement of one."""
+    not every measurement of one.
+
+    `on_round(done, repeats)` is called after each round: done 0 after the warm-up."""
     if max_fed < 1 or repeats < 1:
         raise ValueError(f"need max_fed >= 1 and repeats >= 1, got {max_fed}, {repeats}")
     sizes = range(1, max_fed + 1) if sizes is None else sorted(set(sizes))
@@ -186,6 +189,8 @@ def measure_costs(
                 if round_index > 0:  # the first round only warms up
                     singles.append(single)
                     ratios[fed].append(seconds / single)
+            if on_round is not None:
+                on_round(round_index, repeats)
         fastest = min(singles)
         verify = {fed: fastest * statistics.median(ratios[fed]) for fed in sizes}
         draft_seconds = None

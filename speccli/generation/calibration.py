@@ -29,6 +29,32 @@ from speccli.generation.pipeline import Pipeline
 # 4: 8 rounds; 3: 3 rounds of each size's median ratio to a one-token pass timed just before
 # it; 2: the fastest round; 1: the median
 FORMAT = 4
+PROGRESS_EVERY = 20.0  # seconds between the calibration's progress lines, after the first
+
+
+class RoundProgress:
+    """Says how a calibration goes: after its first timed round, the time it will take, then
+    at most one line every PROGRESS_EVERY seconds (it takes a minute or two on a CPU, all
+    of it before the first token of `chat`)."""
+
+    def __init__(self, say: Callable[[str], None], clock: Callable[[], float] = time.perf_counter) -> None:
+        self.say = say
+        self.clock = clock
+        self.warmed_at: float | None = None
+        self.said_at: float | None = None
+
+    def __call__(self, done: int, rounds: int) -> None:
+        now = self.clock()
+        if done == 0:  # the warm-up: slower than the rounds after it, so not a measure of them
+            self.warmed_at = now
+            return
+        if self.warmed_at is None or done == rounds:
+            return
+        if self.said_at is not None and now - self.said_at < PROGRESS_EVERY:
+            return
+        left = (now - self.warmed_at) / done * (rounds - done)
+        self.said_at = now
+        self.say(f"calibrating: round {done} of {rounds} done, about {left:.0f} s left")
 
 
 def _model_identity(model: LoadedModel) -> dict[str, Any]:
@@ -186,7 +212,7 @@ def calibrate(
             " (once per model pair and device; a minute or two on a CPU)")
         started = time.perf_counter()
         draft_model = decoder.drafter.model if isinstance(decoder.drafter, ModelDrafter) else None
-        costs = measure_costs(decoder.target, draft_model, max_fed)
+        costs = measure_costs(decoder.target, draft_model, max_fed, on_round=RoundProgress(say))
         _write(path, identity, costs)
         say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(costs)}")
     decoder.prior = read_prior(prior_path(path), identity)
