@@ -99,7 +99,7 @@ def test_round_progress_says_the_time_left_after_the_first_round_then_every_twen
     now = [100.0]
     said: list[str] = []
     progress = RoundProgress(said.append, clock=lambda: now[0])
-    progress(0, 8)  # the warm-up, 30 s after the start: not a measure of the rounds
+    progress(0, 8)  # the warm-up ends: the rounds are timed from here
     for done in range(1, 9):
         now[0] += 6.0
         progress(done, 8)
