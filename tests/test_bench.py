@@ -577,6 +577,17 @@ def test_table_report():
     assert bench_report.render(fixed_results(), "table").count("all prompts") == 1
 
 
+def test_table_report_shows_bracketed_names_as_text():
+    # Rich would read "[/i]" as a closing tag (an error) and "[int]" as a style (dropped).
+    run = fixed_run(10, 0.5, 8, 6, 5)
+    rows = [BenchRow("tag [/i] of list[int]", "[b]code", 2, 0, 5, True, fixed_run(10, 1.0), run, True)]
+    results = BenchResults(BenchSettings(max_new_tokens=20, ks=(2,), repeat=1), rows, {})
+    console = Console(record=True, width=200, color_system=None)
+    bench_report.print_table(results, console)
+    out = console.export_text()
+    assert "tag [/i] of list[int]" in out and "[b]code" in out
+
+
 def test_render_dispatch():
     results = fixed_results()
     assert bench_report.render(results, "csv") == bench_report.to_csv(results)

@@ -205,6 +205,8 @@ def test_help_explains_the_options():
     assert result.exit_code == 0
     for option in ("--target", "--draft", "--k", "--temperature", "--json", "--stats", "ngram"):
         assert option in result.stdout
+    # Rich reads "[word]" as markup: the extra's name must survive it.
+    assert '"specgen[llamacpp]"' in result.stdout
 
 
 def test_auto_k_calibrates_once_per_pair_and_recalibrates_on_request(folders, tmp_path):

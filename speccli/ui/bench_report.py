@@ -155,6 +155,11 @@ def error_lines(results: BenchResults) -> list[str]:
 # --------------------------------------------------------------------------- formats
 
 
+def _text_cells(summary: BenchSummary) -> list[Text]:
+    # Prompt names and categories are the user's: "[...]" in them is text, not Rich markup.
+    return [Text(cell) for cell in summary_cells(summary)]
+
+
 def print_table(results: BenchResults, console: Console) -> None:
     """A rich table per (prompt, k), then the per-k totals, then any errors."""
     table = Table(title="speculative vs plain decoding", caption=headline(results), title_justify="left")
@@ -163,10 +168,10 @@ def print_table(results: BenchResults, console: Console) -> None:
         table.add_column(name, justify="right" if numeric else "left", no_wrap=name == "prompt")
     for s in results.by_prompt:
         style = "red" if s.errors else None
-        table.add_row(*summary_cells(s), style=style)
+        table.add_row(*_text_cells(s), style=style)
     table.add_section()
     for s in _totals(results):
-        table.add_row(*summary_cells(s), style="bold red" if s.errors else "bold")
+        table.add_row(*_text_cells(s), style="bold red" if s.errors else "bold")
     console.print(table)
     for line in error_lines(results):
         console.print(Text(f"error: {line}", style="red"))

@@ -43,6 +43,7 @@ def print_heads_json(listings, stream: TextIO | None = None) -> None:
 def print_heads_table(listings, stream: TextIO | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     stream = stream or sys.stdout
     console = Console(file=stream, width=None if stream.isatty() else 200)
@@ -54,8 +55,10 @@ def print_heads_table(listings, stream: TextIO | None = None) -> None:
         table.add_column(column, no_wrap=column != "file")
     for item in listings:
         accuracy = ", ".join(f"{100 * a:.1f}%" for a in item.accuracy) or "-"
-        table.add_row(
+        cells = (
             item.kind, item.target, format_size(item.size_bytes), str(item.tokens or "-"), str(item.vocab or "-"),
             accuracy, item.trained or "-", item.path,
         )
+        # Targets and paths are the user's: "[...]" in them is text, not Rich markup.
+        table.add_row(*(Text(cell) for cell in cells))
     console.print(table)

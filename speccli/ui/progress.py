@@ -40,7 +40,8 @@ class _BarDisplay:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-            columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+            # Descriptions carry prompts and paths: "[...]" in them is text, not Rich markup.
+            columns = [TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
             if remaining:
                 columns.append(TimeRemainingColumn())
             self.bar = Progress(*columns, console=Console(stderr=True), transient=True)
@@ -71,7 +72,7 @@ class BenchProgressDisplay(_BarDisplay):
             return
         self.bar.update(self.task, total=state.total or None, completed=state.completed, description=state.describe())
         if state.phase == "done":
-            self.bar.console.print(state.describe(), highlight=False)
+            self.bar.console.print(state.describe(), highlight=False, markup=False)
 
 
 class TrainProgressDisplay(_BarDisplay):
@@ -87,7 +88,7 @@ class TrainProgressDisplay(_BarDisplay):
 
     def say(self, message: str) -> None:
         if self.bar is not None:
-            self.bar.console.print(f"specgen: {message}", highlight=False)
+            self.bar.console.print(f"specgen: {message}", highlight=False, markup=False)
         else:
             self._say(message)
 
