@@ -9,7 +9,7 @@ import torch
 
 from conftest import save_model_folder, wrap
 from speccli.generation import calibration as calibration_cache
-from speccli.generation.calibration import calibrate, calibration_identity, calibration_path
+from speccli.generation.calibration import calibrate, calibration_identity, calibration_path, prior_identity
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.decoder import SpeculativeDecoder
@@ -252,6 +252,36 @@ def test_prompt_lookup_is_calibrated_without_a_draft_pass_and_plain_not_at_all(f
     assert calibrate(pipeline_for(folders, draft="none"), max_k=2, cache_dir=tmp_path) is None
 
 
+def test_drafters_without_a_model_share_one_calibration_and_keep_their_priors_apart(folders, tmp_path, monkeypatch):
+    from speccli.engine.policy import AcceptancePrior
+    from speccli.generation.calibration import prior_path
+
+    ngram = pipeline_for(folders, draft="ngram")
+    costs = calibrate(ngram, max_k=2, cache_dir=tmp_path)
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured although the target's passes were calibrated for prompt lookup")
+
+    monkeypatch.setattr(calibration_cache, "measure_costs", no_measuring)
+    lookahead = pipeline_for(folders, draft="lookahead")
+    assert calibrate(lookahead, max_k=2, cache_dir=tmp_path) == costs
+    assert lookahead.decoder.prior is None  # prompt lookup's prior is not lookahead's
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+
+    # Each drafter's learned acceptance lies under its own key.
+    assert prior_identity(ngram, 3)["draft"] == "ngram" and prior_identity(lookahead, 3)["draft"] == "lookahead"
+    learned = AcceptancePrior((0.5, 0.25), 10.0)
+    monkeypatch.setattr(type(ngram.decoder), "learned", lambda self: learned)
+    calibration_cache.remember(ngram, max_k=2, cache_dir=tmp_path)
+    assert prior_path(calibration_path(prior_identity(ngram, 3), tmp_path)).exists()
+    again = pipeline_for(folders, draft="ngram")
+    calibrate(again, max_k=2, cache_dir=tmp_path)
+    assert again.decoder.prior == learned
+    third = pipeline_for(folders, draft="lookahead")
+    calibrate(third, max_k=2, cache_dir=tmp_path)
+    assert third.decoder.prior is None
+
+
 def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_next_session(folders, tmp_path, monkeypatch):
     from speccli.engine.policy import AcceptancePrior
     from speccli.generation.calibration import prior_path, read_prior, remember
@@ -264,7 +294,7 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
     assert remember(pipeline, auto.max_k) is None  # nothing learned yet: nothing written
     generator.stream([5, 6, 7], SamplingConfig(), auto).run()
     assert pipeline.decoder.prior is None  # the first session starts from the default
-    identity = calibration_identity(pipeline, auto.max_k + 1)
+    identity = prior_identity(pipeline, auto.max_k + 1)
     path = prior_path(calibration_path(identity))
     saved = read_prior(path, identity)
     assert saved is not None and saved == AcceptancePrior(
@@ -301,7 +331,7 @@ def test_prompt_lookup_remembers_its_acceptance_by_match_length(folders, tmp_pat
     pipeline.generator().stream([5, 6, 7, 5, 6, 7, 5, 6], SamplingConfig(), auto).run()
     learned = pipeline.decoder.learned()
     assert learned.by_match and remember(pipeline, auto.max_k) == learned
-    identity = calibration_identity(pipeline, auto.max_k + 1)
+    identity = prior_identity(pipeline, auto.max_k + 1)
     saved = read_prior(prior_path(calibration_path(identity)), identity)
     assert [match for match, _ in saved.by_match] == [match for match, _ in learned.by_match]
     for match, prior in learned.by_match:
@@ -400,7 +430,7 @@ def test_the_check_after_a_generation_reads_the_decoder_that_ran_it(folders, tmp
     generator.stream([5, 6, 7], SamplingConfig(), auto).run()
     [notice] = generator.take_notices()
     assert "measured on a busier machine" in notice and ran.costs is None
-    identity = calibration_identity(pipeline, auto.max_k + 1)
-    assert not calibration_path(identity).exists()
+    assert not calibration_path(calibration_identity(pipeline, auto.max_k + 1)).exists()
+    identity = prior_identity(pipeline, auto.max_k + 1)
     saved = read_prior(prior_path(calibration_path(identity)), identity)
     assert saved is not None and saved.steps == ran.learned().steps > 0 and pipeline.decoder.learned() is None

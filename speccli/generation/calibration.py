@@ -1,9 +1,10 @@
 """Calibrate a loaded pipeline's pass costs once per model pair and device, and keep the
 result on disk (``<cache>/calibration/<key>.json``) so later sessions start from it.
 
-Beside it (``<cache>/calibration/acceptance/<key>.json``) lies what `k auto` learned about the draft's
-acceptance by position, saved after each generation (`remember`) and read back with the
-calibration to seed the next session's policy. Either file, missing or damaged, only
+Beside it (``<cache>/calibration/acceptance/<key>.json``, the key adding the drafter where there is no
+draft model: see prior_identity) lies what `k auto` learned about the draft's acceptance by
+position, saved after each generation (`remember`) and read back with the calibration to
+seed the next session's policy. Either file, missing or damaged, only
 costs what it would have saved. A calibration that a generation's own passes show was
 measured on a busier machine is dropped and measured again (`drop_if_overstated`)."""
 
@@ -73,15 +74,17 @@ def _model_identity(model: LoadedModel) -> dict[str, Any]:
 
 
 def calibration_identity(pipeline: Pipeline, max_fed: int) -> dict[str, Any]:
-    """Everything the measured costs depend on: the models as loaded, the drafter, the
-    hardware, the threads and the library versions."""
+    """Everything the measured costs depend on: the models as loaded, the hardware, the
+    threads and the library versions. Drafters without a model of their own (prompt lookup,
+    lookahead, Medusa and EAGLE heads) time the target's passes alone, so they share one
+    calibration: switching between them does not measure again."""
     import transformers
 
     device = pipeline.target.device
     return {
         "format": FORMAT,
         "target": _model_identity(pipeline.target),
-        "draft": _model_identity(pipeline.draft) if pipeline.draft else pipeline.drafter_name,
+        "draft": _model_identity(pipeline.draft) if pipeline.draft else None,
         "max_fed": max_fed,
         "hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "cpu_count": os.cpu_count(),
@@ -90,6 +93,15 @@ def calibration_identity(pipeline: Pipeline, max_fed: int) -> dict[str, Any]:
         "transformers": transformers.__version__,
         **({"llama_cpp": llama_cpp_version()} if pipeline.target.backend == "llama.cpp" else {}),
     }
+
+
+def prior_identity(pipeline: Pipeline, max_fed: int) -> dict[str, Any]:
+    """What an acceptance prior belongs to: the calibration's identity and the drafter (each
+    drafter without a model guesses its own way)."""
+    identity = calibration_identity(pipeline, max_fed)
+    if pipeline.draft is None:
+        identity["draft"] = pipeline.drafter_name
+    return identity
 
 
 def calibration_path(identity: dict[str, Any], cache_dir: Path | None = None) -> Path:
@@ -113,7 +125,8 @@ def _write(path: Path, identity: dict[str, Any], costs: CostProfile) -> None:
 
 
 def prior_path(calibration: Path) -> Path:
-    """Where the acceptance prior for a calibration lies: ``acceptance/<key>.json`` beside it."""
+    """Where the acceptance prior lies whose identity (prior_identity) keys `calibration`:
+    ``acceptance/<key>.json`` beside it."""
     return calibration.parent / "acceptance" / calibration.name
 
 
@@ -152,7 +165,7 @@ def remember(
     learned = (decoder or pipeline.decoder).learned()
     if learned is None:
         return None
-    identity = calibration_identity(pipeline, max_k + 1)
+    identity = prior_identity(pipeline, max_k + 1)
     payload = {
         "identity": identity,
         "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -215,7 +228,8 @@ def calibrate(
         costs = measure_costs(decoder.target, draft_model, max_fed, on_round=RoundProgress(say))
         _write(path, identity, costs)
         say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(costs)}")
-    decoder.prior = read_prior(prior_path(path), identity)
+    beside = prior_identity(pipeline, max_fed)
+    decoder.prior = read_prior(prior_path(calibration_path(beside, cache_dir)), beside)
     decoder.costs = costs
     return costs
 
