@@ -9,7 +9,14 @@ import torch
 
 from conftest import save_model_folder, wrap
 from speccli.generation import calibration as calibration_cache
-from speccli.generation.calibration import calibrate, calibration_identity, calibration_path, prior_identity
+from speccli.generation.calibration import (
+    calibrate,
+    calibration_identity,
+    calibration_path,
+    draft_cost_path,
+    draft_identity,
+    prior_identity,
+)
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.decoder import SpeculativeDecoder
@@ -212,7 +219,10 @@ def test_calibrate_measures_once_then_reads_the_cache(folders, tmp_path, monkeyp
     assert messages[0].startswith("calibrating: timing") and messages[-1].startswith("calibrated in")
     assert messages[1].startswith("calibrating: round 1 of 8 done, about ") and len(messages) == 3
     path = calibration_path(calibration_identity(pipeline, 4), tmp_path)
-    assert json.loads(path.read_text())["identity"]["draft"]["quant"] == "int8"
+    assert json.loads(path.read_text())["costs"]["draft_seconds"] is None  # the target's passes alone
+    drafted = draft_cost_path(draft_identity(pipeline.draft), tmp_path)
+    assert json.loads(drafted.read_text())["identity"]["draft"]["quant"] == "int8"
+    assert json.loads(drafted.read_text())["draft_seconds"] == costs.draft_seconds
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured although the calibration was cached")
@@ -228,11 +238,12 @@ def test_calibrate_measures_once_then_reads_the_cache(folders, tmp_path, monkeyp
     assert calibrate(again, max_k=8, cache_dir=tmp_path) == STEEP  # another max_k: another entry
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
 
-    # Passes whose rows go to other kernels (float32's stock rows) cost otherwise: measured again.
+    # Passes whose rows go to other kernels (float32's stock rows) cost otherwise: measured again
+    # (the target's; the draft's token stays as measured with STEEP).
     again.target.stock_rows = {"64x32": 4}
     assert calibration_identity(again, 4)["target"]["stock_rows"] == {"64x32": 4}
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: FLAT)
-    assert calibrate(again, max_k=3, cache_dir=tmp_path) == FLAT
+    assert calibrate(again, max_k=3, cache_dir=tmp_path) == CostProfile(FLAT.verify_seconds, STEEP.draft_seconds)
 
 
 def test_a_damaged_cache_file_is_measured_again(folders, tmp_path, monkeypatch):
@@ -242,7 +253,7 @@ def test_a_damaged_cache_file_is_measured_again(folders, tmp_path, monkeypatch):
     path.write_text("{not json")
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: FLAT)
     assert calibrate(pipeline, max_k=3, cache_dir=tmp_path) == FLAT
-    assert CostProfile.from_dict(json.loads(path.read_text())["costs"]) == FLAT
+    assert CostProfile.from_dict(json.loads(path.read_text())["costs"]) == CostProfile(FLAT.verify_seconds, None)
 
 
 def test_prompt_lookup_is_calibrated_without_a_draft_pass_and_plain_not_at_all(folders, tmp_path):
@@ -250,6 +261,36 @@ def test_prompt_lookup_is_calibrated_without_a_draft_pass_and_plain_not_at_all(f
     costs = calibrate(ngram, max_k=2, cache_dir=tmp_path)
     assert sorted(costs.verify_seconds) == [1, 2, 3] and costs.draft_seconds is None
     assert calibrate(pipeline_for(folders, draft="none"), max_k=2, cache_dir=tmp_path) is None
+
+
+def test_the_target_is_calibrated_once_for_every_drafter_and_a_draft_model_times_only_its_token(
+    folders, tmp_path, monkeypatch
+):
+    ngram = pipeline_for(folders, draft="ngram")
+    costs = calibrate(ngram, max_k=2, cache_dir=tmp_path)
+    assert costs.draft_seconds is None
+
+    def no_target_passes(*args, **kwargs):
+        raise AssertionError("timed the target's passes again for another drafter")
+
+    monkeypatch.setattr(calibration_cache, "measure_costs", no_target_passes)
+    timed: list[object] = []
+    monkeypatch.setattr(calibration_cache, "measure_draft_seconds", lambda draft: timed.append(draft) or 0.02)
+    with_draft = pipeline_for(folders)
+    messages: list[str] = []
+    assert calibrate(with_draft, max_k=2, progress=messages.append, cache_dir=tmp_path) == CostProfile(
+        costs.verify_seconds, 0.02
+    )
+    assert timed == [with_draft.decoder.drafter.model]
+    assert messages[0] == "calibrating: timing one draft token (the target's passes are calibrated already)"
+    assert messages[1].startswith("calibrated in") and messages[1].endswith("a draft token 20 ms")
+    # Both cached now: nothing is timed, nothing said.
+    messages.clear()
+    assert calibrate(pipeline_for(folders), max_k=2, progress=messages.append, cache_dir=tmp_path).draft_seconds == 0.02
+    assert timed == [with_draft.decoder.drafter.model] and messages == []
+    # --recalibrate times both again.
+    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: STEEP)
+    assert calibrate(pipeline_for(folders), max_k=2, refresh=True, cache_dir=tmp_path) == STEEP
 
 
 def test_drafters_without_a_model_share_one_calibration_and_keep_their_priors_apart(folders, tmp_path, monkeypatch):
@@ -389,6 +430,7 @@ def test_a_calibration_the_passes_show_overstated_is_dropped_and_measured_again(
     generator.stream([5, 6, 7], SamplingConfig(), auto).run()
     path = calibration_path(calibration_identity(pipeline, auto.max_k + 1))
     assert len(measured) == 1 and not path.exists() and pipeline.decoder.costs is None
+    assert not draft_cost_path(draft_identity(pipeline.draft)).exists()  # timed on the same busy machine
     # Said after the output (a one-shot command takes it), not in the middle of it.
     assert not any("busier machine" in m for m in messages)
     [notice] = generator.notices

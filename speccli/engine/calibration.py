@@ -4,8 +4,9 @@ The adaptive draft length weighs expected tokens against seconds. Learning the s
 online means paying for every untried draft length once, in every new session; on a
 machine where a pass over several tokens costs several times a pass over one (float32
 on a CPU), that exploration alone loses to plain decoding. So the costs are measured
-once per model pair and device (a minute or two on a CPU), cached, and seed the policy,
-which then brings them to the machine's present speed from the steps it runs.
+once per target and device (a minute or two on a CPU; a draft model's token once per draft
+model and device), cached, and seed the policy, which then brings them to the machine's
+present speed from the steps it runs.
 """
 
 from __future__ import annotations
@@ -193,16 +194,21 @@ def measure_costs(
                 on_round(round_index, repeats)
         fastest = min(singles)
         verify = {fed: fastest * statistics.median(ratios[fed]) for fed in sizes}
-        draft_seconds = None
-        if draft is not None:
-            # The draft's own ids: the target may know ids the draft's embedding has no row for.
-            draft_context = filler_ids(draft.vocab_size, context_tokens + 1)
-            draft.rollback(0)
-            draft.forward(draft_context[:-1], all_logits=False)
-            times = [_seconds(draft, context_tokens, draft_context[-1:]) for _ in range(repeats + 1)]
-            draft_seconds = min(times[1:])
     finally:
         target.rollback(0)
-        if draft is not None:
-            draft.rollback(0)
+    draft_seconds = None if draft is None else measure_draft_seconds(draft, repeats, context_tokens)
     return CostProfile(verify, draft_seconds)
+
+
+def measure_draft_seconds(draft: CausalLM, repeats: int = ROUNDS, context_tokens: int = CONTEXT_TOKENS) -> float:
+    """One draft token on top of `context_tokens` cached tokens: the fastest of `repeats`
+    passes after one that warms the kernels. The draft's cache is empty afterwards."""
+    # The draft's own ids: the target may know ids the draft's embedding has no row for.
+    draft_context = filler_ids(draft.vocab_size, context_tokens + 1)
+    try:
+        draft.rollback(0)
+        draft.forward(draft_context[:-1], all_logits=False)
+        times = [_seconds(draft, context_tokens, draft_context[-1:]) for _ in range(repeats + 1)]
+    finally:
+        draft.rollback(0)
+    return min(times[1:])

@@ -1,12 +1,14 @@
-"""Calibrate a loaded pipeline's pass costs once per model pair and device, and keep the
-result on disk (``<cache>/calibration/<key>.json``) so later sessions start from it.
+"""Calibrate a loaded pipeline's pass costs once per target and device, and keep the result
+on disk (``<cache>/calibration/<key>.json``) so later sessions start from it, whichever the
+drafter. A draft model's token cost is kept apart (``<cache>/calibration/draft/<key>.json``),
+once per draft model and device.
 
-Beside it (``<cache>/calibration/acceptance/<key>.json``, the key adding the drafter where there is no
-draft model: see prior_identity) lies what `k auto` learned about the draft's acceptance by
-position, saved after each generation (`remember`) and read back with the calibration to
-seed the next session's policy. Either file, missing or damaged, only
-costs what it would have saved. A calibration that a generation's own passes show was
-measured on a busier machine is dropped and measured again (`drop_if_overstated`)."""
+Beside them (``<cache>/calibration/acceptance/<key>.json``, keyed by the target's calibration
+and the drafter: see prior_identity) lies what `k auto` learned about the draft's acceptance
+by position, saved after each generation (`remember`) and read back with the calibration to
+seed the next session's policy. Any of these files, missing or damaged, only costs what it
+would have saved. A calibration that a generation's own passes show was measured on a
+busier machine is dropped and measured again (`drop_if_overstated`)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from speccli.engine.calibration import ROUNDS, CostProfile, measure_costs
+from speccli.engine.calibration import CONTEXT_TOKENS, ROUNDS, CostProfile, measure_costs, measure_draft_seconds
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import ModelDrafter
 from speccli.engine.llamacpp_backend import llama_cpp_version
@@ -73,40 +75,60 @@ def _model_identity(model: LoadedModel) -> dict[str, Any]:
     return identity
 
 
-def calibration_identity(pipeline: Pipeline, max_fed: int) -> dict[str, Any]:
-    """Everything the measured costs depend on: the models as loaded, the hardware, the
-    threads and the library versions. Drafters without a model of their own (prompt lookup,
-    lookahead, Medusa and EAGLE heads) time the target's passes alone, so they share one
-    calibration: switching between them does not measure again."""
+def _machine_identity(model: LoadedModel) -> dict[str, Any]:
+    """The hardware, threads and library versions a model's passes were timed on."""
     import transformers
 
-    device = pipeline.target.device
+    device = model.device
     return {
-        "format": FORMAT,
-        "target": _model_identity(pipeline.target),
-        "draft": _model_identity(pipeline.draft) if pipeline.draft else None,
-        "max_fed": max_fed,
         "hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        **({"llama_cpp": llama_cpp_version()} if pipeline.target.backend == "llama.cpp" else {}),
+        **({"llama_cpp": llama_cpp_version()} if model.backend == "llama.cpp" else {}),
     }
 
 
+def calibration_identity(pipeline: Pipeline, max_fed: int) -> dict[str, Any]:
+    """Everything the target's measured pass costs depend on: the target as loaded, the
+    hardware, the threads and the library versions. Every drafter times the same target
+    passes, so they share one calibration per target: switching drafters (a draft model,
+    prompt lookup, lookahead, heads) does not measure them again. A draft model's token
+    is timed apart (draft_identity)."""
+    return {
+        "format": FORMAT,
+        "target": _model_identity(pipeline.target),
+        "draft": None,
+        "max_fed": max_fed,
+        **_machine_identity(pipeline.target),
+    }
+
+
+def draft_identity(draft: LoadedModel) -> dict[str, Any]:
+    """What a draft model's measured token cost depends on: the draft as loaded, the hardware,
+    the threads and the library versions (not the target: it is timed alone)."""
+    return {"format": FORMAT, "draft": _model_identity(draft), "context_tokens": CONTEXT_TOKENS,
+            **_machine_identity(draft)}
+
+
 def prior_identity(pipeline: Pipeline, max_fed: int) -> dict[str, Any]:
-    """What an acceptance prior belongs to: the calibration's identity and the drafter (each
-    drafter without a model guesses its own way)."""
+    """What an acceptance prior belongs to: the target's calibration and the drafter (the
+    draft model as loaded, or the name of a drafter without one)."""
     identity = calibration_identity(pipeline, max_fed)
-    if pipeline.draft is None:
-        identity["draft"] = pipeline.drafter_name
+    identity["draft"] = _model_identity(pipeline.draft) if pipeline.draft else pipeline.drafter_name
     return identity
 
 
 def calibration_path(identity: dict[str, Any], cache_dir: Path | None = None) -> Path:
     root = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
     return root / "calibration" / f"{offline.identity_digest(identity)}.json"
+
+
+def draft_cost_path(identity: dict[str, Any], cache_dir: Path | None = None) -> Path:
+    """Where a draft model's token cost lies: ``calibration/draft/<key>.json``."""
+    root = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
+    return root / "calibration" / "draft" / f"{offline.identity_digest(identity)}.json"
 
 
 def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:
@@ -121,6 +143,20 @@ def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:
 
 def _write(path: Path, identity: dict[str, Any], costs: CostProfile) -> None:
     payload = {"identity": identity, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "costs": costs.as_dict()}
+    offline.write_json(path, payload)
+
+
+def _read_draft_seconds(path: Path, identity: dict[str, Any]) -> float | None:
+    try:
+        data = json.loads(path.read_text())
+        seconds = float(data["draft_seconds"])
+        return seconds if data.get("identity") == identity and 0 < seconds < float("inf") else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # missing or damaged: measure again
+
+
+def _write_draft_seconds(path: Path, identity: dict[str, Any], seconds: float) -> None:
+    payload = {"identity": identity, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "draft_seconds": seconds}
     offline.write_json(path, payload)
 
 
@@ -182,7 +218,8 @@ def drop_if_overstated(
 ) -> str | None:
     """After a generation with `k auto` by `decoder` (default: the pipeline's): when its passes
     ran well below what the calibration says they cost (it was measured on a busier machine),
-    delete the cached calibration and take it from the decoder, so that the next generation,
+    delete the cached calibration (and the draft model's token cost, timed with it) and take
+    it from the decoder, so that the next generation,
     here or in a later session, measures again. Returns what to tell the user, or None when
     the calibration holds."""
     decoder = decoder or pipeline.decoder
@@ -191,11 +228,14 @@ def drop_if_overstated(
     found = decoder.pass_times.overstatement(decoder.costs)
     if found is None:
         return None
-    path = calibration_path(calibration_identity(pipeline, max_k + 1), cache_dir)
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass  # read-only cache: this session still measures again
+    paths = [calibration_path(calibration_identity(pipeline, max_k + 1), cache_dir)]
+    if pipeline.draft is not None:  # its token was timed on the same busy machine, most likely
+        paths.append(draft_cost_path(draft_identity(pipeline.draft), cache_dir))
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # read-only cache: this session still measures again
     decoder.costs = None
     return (f"the cached pass costs were measured on a busier machine: {found.fed}-token passes took"
             f" {found.measured_seconds * 1000:.0f} ms, not {found.calibrated_seconds * 1000:.0f} ms;"
@@ -220,14 +260,30 @@ def calibrate(
     identity = calibration_identity(pipeline, max_fed)
     path = calibration_path(identity, cache_dir)
     costs = None if refresh else _read(path, identity)
-    if costs is None:
-        say(f"calibrating: timing target passes over 1-{max_fed} tokens and one draft token in {ROUNDS} rounds"
-            " (once per model pair and device; a minute or two on a CPU)")
+    draft_model = decoder.drafter.model if isinstance(decoder.drafter, ModelDrafter) else None
+    draft_seconds, draft_path, drafted = None, None, None
+    if draft_model is not None and pipeline.draft is not None:
+        drafted = draft_identity(pipeline.draft)
+        draft_path = draft_cost_path(drafted, cache_dir)
+        draft_seconds = None if refresh else _read_draft_seconds(draft_path, drafted)
+    time_draft = draft_model if draft_seconds is None else None
+    if costs is None or time_draft is not None:
         started = time.perf_counter()
-        draft_model = decoder.drafter.model if isinstance(decoder.drafter, ModelDrafter) else None
-        costs = measure_costs(decoder.target, draft_model, max_fed, on_round=RoundProgress(say))
-        _write(path, identity, costs)
-        say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(costs)}")
+        if costs is None:
+            say(f"calibrating: timing target passes over 1-{max_fed} tokens"
+                f"{' and one draft token' if time_draft is not None else ''} in {ROUNDS} rounds"
+                " (once per target and device; a minute or two on a CPU)")
+            measured = measure_costs(decoder.target, time_draft, max_fed, on_round=RoundProgress(say))
+            costs = CostProfile(measured.verify_seconds, None)
+            _write(path, identity, costs)
+            draft_seconds = measured.draft_seconds if time_draft is not None else draft_seconds
+        else:
+            say("calibrating: timing one draft token (the target's passes are calibrated already)")
+            draft_seconds = measure_draft_seconds(time_draft)
+        if time_draft is not None and draft_path is not None:
+            _write_draft_seconds(draft_path, drafted, draft_seconds)
+        say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(CostProfile(costs.verify_seconds, draft_seconds))}")
+    costs = CostProfile(costs.verify_seconds, draft_seconds)
     beside = prior_identity(pipeline, max_fed)
     decoder.prior = read_prior(prior_path(calibration_path(beside, cache_dir)), beside)
     decoder.costs = costs
