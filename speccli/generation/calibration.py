@@ -260,29 +260,28 @@ def calibrate(
     identity = calibration_identity(pipeline, max_fed)
     path = calibration_path(identity, cache_dir)
     costs = None if refresh else _read(path, identity)
-    draft_model = decoder.drafter.model if isinstance(decoder.drafter, ModelDrafter) else None
-    draft_seconds, draft_path, drafted = None, None, None
-    if draft_model is not None and pipeline.draft is not None:
-        drafted = draft_identity(pipeline.draft)
-        draft_path = draft_cost_path(drafted, cache_dir)
-        draft_seconds = None if refresh else _read_draft_seconds(draft_path, drafted)
-    time_draft = draft_model if draft_seconds is None else None
-    if costs is None or time_draft is not None:
+    # A draft model's token is timed apart from the target's passes, and cached apart.
+    draft_model = decoder.drafter.model if isinstance(decoder.drafter, ModelDrafter) and pipeline.draft else None
+    drafted = draft_identity(pipeline.draft) if draft_model is not None else None
+    draft_path = draft_cost_path(drafted, cache_dir) if drafted is not None else None
+    draft_seconds = None if draft_path is None or refresh else _read_draft_seconds(draft_path, drafted)
+    time_draft = draft_model is not None and draft_seconds is None
+    if costs is None or time_draft:
         started = time.perf_counter()
         if costs is None:
-            say(f"calibrating: timing target passes over 1-{max_fed} tokens"
-                f"{' and one draft token' if time_draft is not None else ''} in {ROUNDS} rounds"
-                " (once per target and device; a minute or two on a CPU)")
-            measured = measure_costs(decoder.target, time_draft, max_fed, on_round=RoundProgress(say))
-            costs = CostProfile(measured.verify_seconds, None)
-            _write(path, identity, costs)
-            draft_seconds = measured.draft_seconds if time_draft is not None else draft_seconds
+            say(f"calibrating: timing target passes over 1-{max_fed} tokens{' and one draft token' if time_draft else ''}"
+                f" in {ROUNDS} rounds (once per target and device; a minute or two on a CPU)")
+            measured = measure_costs(decoder.target, draft_model if time_draft else None, max_fed,
+                                     on_round=RoundProgress(say))
+            _write(path, identity, CostProfile(measured.verify_seconds, None))
         else:
             say("calibrating: timing one draft token (the target's passes are calibrated already)")
-            draft_seconds = measure_draft_seconds(time_draft)
-        if time_draft is not None and draft_path is not None:
+            measured = CostProfile(costs.verify_seconds, measure_draft_seconds(draft_model))
+        if time_draft:
+            draft_seconds = measured.draft_seconds
             _write_draft_seconds(draft_path, drafted, draft_seconds)
-        say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(CostProfile(costs.verify_seconds, draft_seconds))}")
+        costs = CostProfile(measured.verify_seconds, draft_seconds)
+        say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(costs)}")
     costs = CostProfile(costs.verify_seconds, draft_seconds)
     beside = prior_identity(pipeline, max_fed)
     decoder.prior = read_prior(prior_path(calibration_path(beside, cache_dir)), beside)
