@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from speccli.ui.chat import command_help as _chat_help
 from speccli.ui.plain import print_generation, read_prompt
 from speccli.ui.progress import stderr_progress
 from speccli.errors import (
+    EXIT_BROKEN_PIPE,
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
@@ -98,6 +100,16 @@ class ModelOptions:
         return target, draft
 
 
+def _discard_stdout() -> None:
+    """Point stdout at the null device, so that what is still buffered for a reader that went
+    away does not fail again when the interpreter exits."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor (tests' captured stdout)
+        pass
+
+
 def _run_guarded(body: Callable[[], int]) -> None:
     """Run a command body, turning the errors a user can cause into one line and an exit code."""
     try:
@@ -105,6 +117,11 @@ def _run_guarded(body: Callable[[], int]) -> None:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        # What specgen writes lost its reader (`specgen generate ... | head`): stop quietly, as
+        # Unix tools that SIGPIPE ends do, with the status a shell gives them.
+        _discard_stdout()
+        raise typer.Exit(EXIT_BROKEN_PIPE)
     except UsageError as error:  # bad input, prompt files and model names included
         if debugging():
             raise
@@ -174,7 +191,8 @@ def generate(
 ) -> None:
     """Generate a continuation of PROMPT and write only the text to stdout.
 
-    Exit codes: 0 done, 1 runtime failure, 2 bad usage or input, 130 interrupted.
+    Exit codes: 0 done, 1 runtime failure, 2 bad usage or input, 130 interrupted, 141 stdout's reader closed it
+    (`| head`).
     """
     options = ModelOptions(
         target or _default_target(), draft or _default_draft(), device, dtype, quant,

@@ -140,6 +140,26 @@ def test_ctrl_c_keeps_what_was_printed_and_exits_130(endless, tmp_path):
     assert b"interrupted" in stderr and b"Traceback" not in stderr
 
 
+def test_a_reader_that_closes_the_pipe_stops_generation_quietly_with_141(endless, tmp_path):
+    # `specgen generate ... | head -c 8`: the child writes into a pipe whose reader is gone.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "speccli.cli", "generate", "hello", "--target", endless["target"], "-n", "100000", "-q", "--draft", "ngram", *ON_CPU, "--dtype", "float32"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+        env=isolated_env(tmp_path), bufsize=0,
+    )
+    first = b""
+    while len(first) < 8:
+        chunk = process.stdout.read(8 - len(first))
+        if not chunk:
+            break
+        first += chunk
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == 141, stderr.decode()
+    assert first == reference_text(endless, "hello", 8).encode()
+    assert stderr == b""  # no "BrokenPipeError", no traceback
+
+
 runner = CliRunner()
 
 
