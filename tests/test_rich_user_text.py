@@ -1,4 +1,9 @@
-"""Rich output of user text: the progress bars of `specgen bench` and `specgen train`, the heads table."""
+"""Rich output: user text in the progress bars of `specgen bench` and `specgen train` and the heads table;
+a reader that goes away."""
+
+import io
+
+import pytest
 
 from speccli.commands.bench_runner import BenchProgress
 from speccli.ui.progress import BenchProgressDisplay, TrainProgressDisplay
@@ -21,8 +26,6 @@ def test_bracketed_text_in_a_prompt_or_message_is_shown_as_text_not_read_as_mark
 
 
 def test_the_heads_table_shows_bracketed_paths_as_text():
-    import io
-
     from speccli.heads.listing import HeadsListing
     from speccli.ui.models_table import print_heads_table
 
@@ -30,3 +33,19 @@ def test_the_heads_table_shows_bracketed_paths_as_text():
     out = io.StringIO()
     print_heads_table([listing], out)
     assert "/models/[v2]/medusa.safetensors" in out.getvalue() and "/models/[/v2]" in out.getvalue()
+
+
+class GoneReader(io.StringIO):
+    """A stream whose reader went away: every write fails as a closed pipe does."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_lost_reader_of_a_rich_table_raises_broken_pipe_for_the_cli_not_rich_s_exit_1():
+    from speccli.models.registry import ModelListing
+    from speccli.ui.models_table import print_table
+
+    listing = ModelListing("alias", "owner/name", "family", "1B", "download", None, "a model")
+    with pytest.raises(BrokenPipeError):  # the CLI's exit 141; Rich's own console raises SystemExit(1)
+        print_table([listing], GoneReader())

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from speccli.commands.bench_results import BenchResults, BenchSummary
+from speccli.ui.consoles import PipeAwareConsole
 from speccli.errors import UsageError
 
 FORMATS = ("table", "json", "csv", "md")
@@ -359,7 +360,7 @@ def write(results: BenchResults, fmt: str, output: str | None = None) -> None:
         with open(output, "w", encoding="utf-8") as handle:
             handle.write(render(results, fmt))
     elif fmt == "table" and sys.stdout.isatty():
-        print_table(results, Console())
+        print_table(results, PipeAwareConsole())
     else:
         sys.stdout.write(render(results, fmt))
         sys.stdout.flush()

@@ -56,9 +56,9 @@ def colour_enabled(stream: TextIO, requested: bool | None = None) -> bool:
 
 
 def _console(stream: TextIO):
-    from rich.console import Console
+    from speccli.ui.consoles import PipeAwareConsole
 
-    return Console(
+    return PipeAwareConsole(
         file=stream,
         force_terminal=True,
         highlight=False,

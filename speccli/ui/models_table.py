@@ -21,7 +21,7 @@ def print_json(listings: list[ModelListing], stream: TextIO | None = None) -> No
 
 
 def print_table(listings: list[ModelListing], stream: TextIO | None = None) -> None:
-    from rich.console import Console
+    from speccli.ui.consoles import PipeAwareConsole
     from rich.table import Table
 
     table = Table(title="specgen models", title_justify="left")
@@ -31,7 +31,7 @@ def print_table(listings: list[ModelListing], stream: TextIO | None = None) -> N
         default = {DEFAULT_TARGET: " (default target)", DEFAULT_DRAFT: " (default draft)"}.get(item.alias, "")
         table.add_row(item.alias + default, item.family, item.params, item.resolves_to, item.availability, format_size(item.size_bytes))
     stream = stream or sys.stdout
-    console = Console(file=stream, width=None if stream.isatty() else 200)
+    console = PipeAwareConsole(file=stream, width=None if stream.isatty() else 200)
     console.print(table)
     console.print(FOOTER)
 
@@ -41,12 +41,12 @@ def print_heads_json(listings, stream: TextIO | None = None) -> None:
 
 
 def print_heads_table(listings, stream: TextIO | None = None) -> None:
-    from rich.console import Console
+    from speccli.ui.consoles import PipeAwareConsole
     from rich.table import Table
     from rich.text import Text
 
     stream = stream or sys.stdout
-    console = Console(file=stream, width=None if stream.isatty() else 200)
+    console = PipeAwareConsole(file=stream, width=None if stream.isatty() else 200)
     if not listings:
         console.print("no heads trained yet: specgen train medusa|eagle --target MODEL")
         return

@@ -37,14 +37,14 @@ class _BarDisplay:
     def __init__(self, bar: bool, remaining: bool = False) -> None:
         self.bar = None
         if bar:
-            from rich.console import Console
+            from speccli.ui.consoles import PipeAwareConsole
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
             # Descriptions carry prompts and paths: "[...]" in them is text, not Rich markup.
             columns = [TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
             if remaining:
                 columns.append(TimeRemainingColumn())
-            self.bar = Progress(*columns, console=Console(stderr=True), transient=True)
+            self.bar = Progress(*columns, console=PipeAwareConsole(stderr=True), transient=True)
 
     def __enter__(self):
         if self.bar is not None:
