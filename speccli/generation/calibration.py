@@ -219,9 +219,8 @@ def drop_if_overstated(
     """After a generation with `k auto` by `decoder` (default: the pipeline's): when its passes
     ran well below what the calibration says they cost (it was measured on a busier machine),
     delete the cached calibration (and the draft model's token cost, timed with it) and take
-    it from the decoder, so that the next generation,
-    here or in a later session, measures again. Returns what to tell the user, or None when
-    the calibration holds."""
+    it from the decoder, so that the next generation, here or in a later session, measures
+    again. Returns what to tell the user, or None when the calibration holds."""
     decoder = decoder or pipeline.decoder
     if decoder.costs is None:
         return None
@@ -266,23 +265,23 @@ def calibrate(
     draft_path = draft_cost_path(drafted, cache_dir) if drafted is not None else None
     draft_seconds = None if draft_path is None or refresh else _read_draft_seconds(draft_path, drafted)
     time_draft = draft_model is not None and draft_seconds is None
-    if costs is None or time_draft:
-        started = time.perf_counter()
-        if costs is None:
-            say(f"calibrating: timing target passes over 1-{max_fed} tokens{' and one draft token' if time_draft else ''}"
-                f" in {ROUNDS} rounds (once per target and device; a minute or two on a CPU)")
-            measured = measure_costs(decoder.target, draft_model if time_draft else None, max_fed,
-                                     on_round=RoundProgress(say))
-            _write(path, identity, CostProfile(measured.verify_seconds, None))
-        else:
-            say("calibrating: timing one draft token (the target's passes are calibrated already)")
-            measured = CostProfile(costs.verify_seconds, measure_draft_seconds(draft_model))
-        if time_draft:
-            draft_seconds = measured.draft_seconds
-            _write_draft_seconds(draft_path, drafted, draft_seconds)
-        costs = CostProfile(measured.verify_seconds, draft_seconds)
-        say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(costs)}")
+    started = time.perf_counter() if costs is None or time_draft else None
+    if costs is None:
+        say(f"calibrating: timing target passes over 1-{max_fed} tokens{' and one draft token' if time_draft else ''}"
+            f" in {ROUNDS} rounds (once per target and device; a minute or two on a CPU)")
+        measured = measure_costs(decoder.target, draft_model if time_draft else None, max_fed,
+                                 on_round=RoundProgress(say))
+        costs = CostProfile(measured.verify_seconds, None)
+        _write(path, identity, costs)
+        draft_seconds = measured.draft_seconds if time_draft else draft_seconds
+    elif time_draft:
+        say("calibrating: timing one draft token (the target's passes are calibrated already)")
+        draft_seconds = measure_draft_seconds(draft_model)
+    if time_draft:
+        _write_draft_seconds(draft_path, drafted, draft_seconds)
     costs = CostProfile(costs.verify_seconds, draft_seconds)
+    if started is not None:
+        say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(costs)}")
     beside = prior_identity(pipeline, max_fed)
     decoder.prior = read_prior(prior_path(calibration_path(beside, cache_dir)), beside)
     decoder.costs = costs
