@@ -126,9 +126,9 @@ def calibration_path(identity: dict[str, Any], cache_dir: Path | None = None) ->
 
 
 def draft_cost_path(identity: dict[str, Any], cache_dir: Path | None = None) -> Path:
-    """Where a draft model's token cost lies: ``calibration/draft/<key>.json``."""
-    root = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
-    return root / "calibration" / "draft" / f"{offline.identity_digest(identity)}.json"
+    """Where a draft model's token cost (draft_identity) lies: ``calibration/draft/<key>.json``."""
+    path = calibration_path(identity, cache_dir)
+    return path.parent / "draft" / path.name
 
 
 def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:
