@@ -12,6 +12,7 @@ from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.decoder import SpeculativeDecoder
 from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
 from speccli.engine.events import FinishEvent, FinishReason, StepEvent, TokenEvent
+from speccli.engine.policy import AdaptiveDraftLength
 
 PROMPTS = [
     "def fib(n):",
@@ -124,6 +125,29 @@ def test_close_draft_is_mostly_accepted(pairs, tokenizer):
     ]
     rate = sum(s.accepted for s in steps) / sum(s.drafted for s in steps)
     assert rate > 0.5
+
+
+def test_each_generation_tells_k_auto_its_opening_step(pairs, tokenizer):
+    # The answer's first token is the draft's hardest guess: k auto learns it apart (begin()).
+    class Recording(AdaptiveDraftLength):
+        calls: list[str] = []
+
+        def begin(self) -> None:
+            self.calls.append("begin")
+            super().begin()
+
+        def next_k(self) -> int:
+            self.calls.append("k")
+            return super().next_k()
+
+    pair = pairs[0]
+    decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], ModelDrafter(wrap(pair.draft), len(tokenizer)))
+    policy = Recording(max_k=4)
+    for prompt in PROMPTS[:2]:
+        list(decoder.generate(encode(tokenizer, prompt), SamplingConfig(), SpecConfig(max_new_tokens=8), policy))
+    second = policy.calls.index("begin", 1)
+    assert policy.calls[0] == "begin" and policy.calls[second + 1] == "k" and policy.calls.count("begin") == 2
+    assert "begin" not in policy.calls[1:second] and len(policy.calls) > second + 1
 
 
 def test_plain_decoding_without_drafter(pairs, tokenizer, references):

@@ -181,6 +181,8 @@ class SpeculativeDecoder:
         max_length = self.target.max_length
         check_fits(len(prompt_ids), max_length)
         policy = policy or self._policy_for(spec)
+        if hasattr(policy, "begin"):
+            policy.begin()  # the first step drafts the answer's first token (AdaptiveDraftLength)
         started = time.perf_counter()
         context = list(prompt_ids)
         reused = self._prefill(context)

@@ -178,6 +178,14 @@ class AdaptiveDraftLength:
     (the last standing for the positions after it), such as what an earlier session with
     the same model pair learned (`learned_prior`), with `prior_steps` the drafting steps
     it stands for.
+
+    The first step of a generation (`begin`) drafts the answer's first token, which the
+    draft gets wrong far more often than any later one (the real pair, float32: half the
+    time, against about one step in five later on). Its first position is learned apart
+    (the opening acceptance, shrunk towards the first position's), and does not count
+    against the rest: one wrong opening guess made every later step look worse, and on a
+    curve where drafting only pays for a good draft, a one-shot generation that opened
+    with a rejection decoded plain until its next probe, tens of steps later.
     """
 
     def __init__(
@@ -216,6 +224,20 @@ class AdaptiveDraftLength:
         self._steps_without_drafting = 0
         self._failed_probes = 0
         self._probing = False
+        self._opening = False
+        self._opening_kept = 0
+        self._opening_tried = 0
+
+    def begin(self) -> None:
+        """A generation starts: the coming step is its opening (see the class)."""
+        self._opening = True
+
+    def opening_acceptance(self, acceptance: list[float] | None = None) -> float:
+        """The chance that an opening step's first drafted token is accepted: the openings'
+        own counts, shrunk towards the first position's acceptance."""
+        first = (self.acceptance() if acceptance is None else acceptance)[0]
+        w = self.prior_weight
+        return (self._opening_kept + first * w) / (self._opening_tried + w)
 
     @property
     def prior_acceptance(self) -> float:
@@ -236,6 +258,8 @@ class AdaptiveDraftLength:
         if 1 not in self.costs.verify:
             return 0  # measure a plain step too: untried sizes between are then guessed at its cost
         acceptance = self.acceptance()
+        if self._opening:
+            acceptance = [self.opening_acceptance(acceptance)] + acceptance[1:]
         best = self._best_k(acceptance)
         if best > 0 or self._steps_without_drafting < self.probe_interval(acceptance):
             return best
@@ -299,7 +323,10 @@ class AdaptiveDraftLength:
 
     def expected(self, k: int) -> float:
         """Tokens a step that drafts k is expected to give now."""
-        return expected_tokens(self.acceptance(), k)
+        acceptance = self.acceptance()
+        if self._opening:
+            acceptance = [self.opening_acceptance(acceptance)] + acceptance[1:]
+        return expected_tokens(acceptance, k)
 
     def observe(self, step: StepEvent) -> None:
         self.costs.observe(step)
@@ -308,6 +335,7 @@ class AdaptiveDraftLength:
     def learn(self, step: StepEvent) -> None:
         """What the step says about the draft's acceptance (`observe` less the costs)."""
         probing, self._probing = self._probing, False
+        opening, self._opening = self._opening, False
         if step.drafted == 0:
             if probing:
                 # The probe drafted nothing (a tree the costs kept empty, after the draft's
@@ -322,7 +350,10 @@ class AdaptiveDraftLength:
         # drafts no longer reach fades, and its estimate leans on the position before again.
         self._kept = [kept * self.forgetting for kept in self._kept]
         self._tried = [tried * self.forgetting for tried in self._tried]
-        for position in range(min(step.drafted, step.accepted + 1, self.max_k)):
+        if opening:
+            self._opening_kept += step.accepted > 0
+            self._opening_tried += 1
+        for position in range(1 if opening else 0, min(step.drafted, step.accepted + 1, self.max_k)):
             # Reached: every earlier token was accepted.
             kept = position < step.accepted
             self._kept[position] += kept
