@@ -338,8 +338,11 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
     identity = prior_identity(pipeline, auto.max_k + 1)
     path = prior_path(calibration_path(identity))
     saved = read_prior(path, identity)
+    learned = pipeline.decoder.learned()
+    assert learned.opening is not None  # the generation's opening drafted (no costs yet: k 4)
     assert saved is not None and saved == AcceptancePrior(
-        tuple(round(a, 4) for a in pipeline.decoder.learned().acceptance), pipeline.decoder.learned().steps
+        tuple(round(a, 4) for a in learned.acceptance), learned.steps,
+        opening=(round(learned.opening[0], 4), learned.opening[1]),
     )
     assert saved.steps > 0 and len(saved.acceptance) == 8  # FLAT measured passes over up to 9 tokens
 
@@ -350,12 +353,16 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
     assert again.decoder.prior == saved
     policy = again.decoder._policy_for(auto)
     assert policy.prior == list(saved.acceptance) and policy.prior_steps == saved.steps
+    assert (policy.opening_prior, policy.opening_prior_steps) == saved.opening
 
     # Damaged or foreign files are ignored: the default prior, and the costs still load.
     for damage in ("{not json", json.dumps({"identity": identity, "acceptance": [2.0], "steps": 1}),
                    json.dumps({"identity": {}, "acceptance": [0.5], "steps": 1}),
                    json.dumps({"identity": identity, "acceptance": [], "steps": 1}),
-                   json.dumps({"identity": identity, "acceptance": "x", "steps": None})):
+                   json.dumps({"identity": identity, "acceptance": "x", "steps": None}),
+                   json.dumps({"identity": identity, "acceptance": [0.5], "steps": 1,
+                               "opening": {"acceptance": 1.5, "steps": 1}}),
+                   json.dumps({"identity": identity, "acceptance": [0.5], "steps": 1, "opening": [0.5]})):
         path.write_text(damage)
         third = pipeline_for(folders)
         assert calibrate(third, max_k=auto.max_k) == FLAT and third.decoder.prior is None

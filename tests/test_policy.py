@@ -375,7 +375,7 @@ def test_a_rejected_opening_guess_does_not_stop_drafting():
         assert (policy.next_k() >= 4) if opens else (policy.next_k() == 0)
 
 
-def test_openings_are_learned_apart_and_not_left_to_the_next_session():
+def test_openings_are_learned_apart_and_left_to_the_next_session_apart():
     policy = avx2_policy(prior_acceptance=0.85, prior_steps=200)
     middle = []
     for _ in range(12):  # generations whose opening guess is always wrong and the rest always right
@@ -394,3 +394,27 @@ def test_openings_are_learned_apart_and_not_left_to_the_next_session():
     assert middle[-5:] == [16] * 5  # while the rest draft as long as the curve lets them
     prior, _ = policy.learned_prior()
     assert prior[0] > 0.87  # above the 0.85 it started from: the openings are left out
+    learned = policy.learned()
+    assert learned.opening == (0.0, 6)  # the openings drafted (6, then plain) and their own rate
+    assert learned.acceptance == tuple(prior)
+
+    # The next session opens plain at once, and drafts the rest as this one did.
+    following = avx2_policy(
+        prior_acceptance=learned.acceptance, prior_steps=learned.steps,
+        opening_prior=learned.opening[0], opening_prior_steps=learned.opening[1],
+    )
+    following.begin()
+    assert following.next_k() == 0
+    fresh = avx2_policy(prior_acceptance=learned.acceptance, prior_steps=learned.steps)
+    fresh.begin()
+    assert fresh.next_k() > 0  # without it, the opening took the first position's rate
+
+
+def test_an_opening_prior_is_worth_at_most_50_openings_and_only_sessions_that_drafted_leave_one():
+    policy = avx2_policy(prior_acceptance=0.85, opening_prior=0.2, opening_prior_steps=400)
+    assert policy.learned() is None  # nothing drafted: nothing to leave
+    assert policy.learned_opening() == (0.2, 50)
+    policy.begin()
+    policy.observe(step(4, 4, 0.045 * 4, AVX2_F32[5]))  # an opening, all accepted
+    assert policy.learned().opening == pytest.approx((11 / 51, 51))
+    assert policy.learned().steps == 0  # an opening is not one of the drafting steps learned_prior stands for

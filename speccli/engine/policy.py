@@ -139,6 +139,9 @@ class AcceptancePrior:
     steps: float
     # Prompt lookup's, by the length of the n-gram matched (DraftLengthByMatch): (length, prior).
     by_match: tuple[tuple[int, "AcceptancePrior"], ...] = ()
+    # A draft model's opening guesses (AdaptiveDraftLength.begin): the chance the first
+    # drafted token of an answer is accepted, and the opening steps that stands for.
+    opening: tuple[float, float] | None = None
 
     def for_match(self, match: int) -> "AcceptancePrior | None":
         return dict(self.by_match).get(match)
@@ -185,7 +188,9 @@ class AdaptiveDraftLength:
     (the opening acceptance, shrunk towards the first position's), and does not count
     against the rest: one wrong opening guess made every later step look worse, and on a
     curve where drafting only pays for a good draft, a one-shot generation that opened
-    with a rejection decoded plain until its next probe, tens of steps later.
+    with a rejection decoded plain until its next probe, tens of steps later. An earlier
+    session's opening rate (`opening_prior`, worth `opening_prior_steps` openings) is
+    where the opening estimate starts, and what it learned is left to the next one.
     """
 
     def __init__(
@@ -201,6 +206,8 @@ class AdaptiveDraftLength:
         prior_steps: float = 0.0,
         probe_hope: float = 0.9,
         probe_min_gain: float = 1.1,
+        opening_prior: float | None = None,
+        opening_prior_steps: float = 0.0,
     ) -> None:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
@@ -227,6 +234,8 @@ class AdaptiveDraftLength:
         self._opening = False
         self._opening_kept = 0
         self._opening_tried = 0
+        self.opening_prior = opening_prior
+        self.opening_prior_steps = opening_prior_steps if opening_prior is not None else 0.0
 
     def begin(self) -> None:
         """A generation starts: the coming step is its opening (see the class)."""
@@ -234,10 +243,11 @@ class AdaptiveDraftLength:
 
     def opening_acceptance(self, acceptance: list[float] | None = None) -> float:
         """The chance that an opening step's first drafted token is accepted: the openings'
-        own counts, shrunk towards the first position's acceptance."""
+        own counts with an earlier session's, shrunk towards the first position's acceptance."""
         first = (self.acceptance() if acceptance is None else acceptance)[0]
         w = self.prior_weight
-        return (self._opening_kept + first * w) / (self._opening_tried + w)
+        earlier = (self.opening_prior or 0.0) * self.opening_prior_steps
+        return (self._opening_kept + earlier + first * w) / (self._opening_tried + self.opening_prior_steps + w)
 
     @property
     def prior_acceptance(self) -> float:
@@ -366,11 +376,24 @@ class AdaptiveDraftLength:
             self._failed_probes = 0
 
     def learned(self) -> AcceptancePrior | None:
-        """learned_prior() for the next session, None when this one never drafted."""
-        if not self._session_tried[0]:
+        """learned_prior() and learned_opening() for the next session, None when this one
+        never drafted."""
+        if not self._session_tried[0] and not self._opening_tried:
             return None
         acceptance, steps = self.learned_prior()
-        return AcceptancePrior(tuple(acceptance), steps)
+        return AcceptancePrior(tuple(acceptance), steps, opening=self.learned_opening())
+
+    def learned_opening(self, max_steps: float = 50.0) -> tuple[float, float] | None:
+        """The opening acceptance to start the next session with, and the openings it
+        stands for (this session's, pooled with the prior it started from, as
+        learned_prior); None when neither drafted an opening. Worth fewer steps than
+        learned_prior: an opening that decodes plain teaches nothing, so the estimate
+        must stay within reach of what the next sessions' drafted openings show."""
+        old = min(self.opening_prior_steps, max_steps)
+        if not self._opening_tried and not old:
+            return None
+        kept = self._opening_kept + (self.opening_prior or 0.0) * old
+        return kept / (self._opening_tried + old), old + self._opening_tried
 
     def learned_prior(self, max_steps: float = 200.0) -> tuple[list[float], float]:
         """The acceptance by position to start the next session with, and the drafting
