@@ -342,7 +342,7 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
     assert learned.opening is not None  # the generation's opening drafted (no costs yet: k 4)
     assert saved is not None and saved == AcceptancePrior(
         tuple(round(a, 4) for a in learned.acceptance), learned.steps,
-        opening=(round(learned.opening[0], 4), learned.opening[1]),
+        opening=AcceptancePrior(tuple(round(a, 4) for a in learned.opening.acceptance), learned.opening.steps),
     )
     assert saved.steps > 0 and len(saved.acceptance) == 8  # FLAT measured passes over up to 9 tokens
 
@@ -353,7 +353,7 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
     assert again.decoder.prior == saved
     policy = again.decoder._policy_for(auto)
     assert policy.prior == list(saved.acceptance) and policy.prior_steps == saved.steps
-    assert (policy.opening_prior, policy.opening_prior_steps) == saved.opening
+    assert AcceptancePrior((policy.opening_prior,), policy.opening_prior_steps) == saved.opening
 
     # Damaged or foreign files are ignored: the default prior, and the costs still load.
     for damage in ("{not json", json.dumps({"identity": identity, "acceptance": [2.0], "steps": 1}),
@@ -361,7 +361,7 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
                    json.dumps({"identity": identity, "acceptance": [], "steps": 1}),
                    json.dumps({"identity": identity, "acceptance": "x", "steps": None}),
                    json.dumps({"identity": identity, "acceptance": [0.5], "steps": 1,
-                               "opening": {"acceptance": 1.5, "steps": 1}}),
+                               "opening": {"acceptance": [1.5], "steps": 1}}),
                    json.dumps({"identity": identity, "acceptance": [0.5], "steps": 1, "opening": [0.5]})):
         path.write_text(damage)
         third = pipeline_for(folders)

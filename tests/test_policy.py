@@ -6,7 +6,7 @@ import pytest
 
 from speccli.config import SpecConfig, parse_draft_length
 from speccli.engine.events import StepEvent
-from speccli.engine.policy import AdaptiveDraftLength, FixedDraftLength, StepCosts, expected_tokens
+from speccli.engine.policy import AcceptancePrior, AdaptiveDraftLength, FixedDraftLength, StepCosts, expected_tokens
 
 
 def step(drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> StepEvent:
@@ -395,13 +395,13 @@ def test_openings_are_learned_apart_and_left_to_the_next_session_apart():
     prior, _ = policy.learned_prior()
     assert prior[0] > 0.87  # above the 0.85 it started from: the openings are left out
     learned = policy.learned()
-    assert learned.opening == (0.0, 6)  # the openings drafted (6, then plain) and their own rate
+    assert learned.opening == AcceptancePrior((0.0,), 6)  # the openings drafted (6, then plain), their own rate
     assert learned.acceptance == tuple(prior)
 
     # The next session opens plain at once, and drafts the rest as this one did.
     following = avx2_policy(
         prior_acceptance=learned.acceptance, prior_steps=learned.steps,
-        opening_prior=learned.opening[0], opening_prior_steps=learned.opening[1],
+        opening_prior=learned.opening.acceptance[0], opening_prior_steps=learned.opening.steps,
     )
     following.begin()
     assert following.next_k() == 0
@@ -413,8 +413,8 @@ def test_openings_are_learned_apart_and_left_to_the_next_session_apart():
 def test_an_opening_prior_is_worth_at_most_50_openings_and_only_sessions_that_drafted_leave_one():
     policy = avx2_policy(prior_acceptance=0.85, opening_prior=0.2, opening_prior_steps=400)
     assert policy.learned() is None  # nothing drafted: nothing to leave
-    assert policy.learned_opening() == (0.2, 50)
+    assert policy.learned_opening() == AcceptancePrior((0.2,), 50)
     policy.begin()
     policy.observe(step(4, 4, 0.045 * 4, AVX2_F32[5]))  # an opening, all accepted
-    assert policy.learned().opening == pytest.approx((11 / 51, 51))
+    assert policy.learned().opening.acceptance == pytest.approx((11 / 51,)) and policy.learned().opening.steps == 51
     assert policy.learned().steps == 0  # an opening is not one of the drafting steps learned_prior stands for

@@ -314,7 +314,8 @@ class SpeculativeDecoder:
                 if self.prior is not None and self.prior.acceptance:
                     prior = {"prior_acceptance": self.prior.acceptance, "prior_steps": self.prior.steps}
                     if self.prior.opening is not None:
-                        prior["opening_prior"], prior["opening_prior_steps"] = self.prior.opening
+                        prior["opening_prior"] = self.prior.opening.acceptance[0]
+                        prior["opening_prior_steps"] = self.prior.opening.steps
                 self._adaptive = AdaptiveDraftLength(max_k=max_k, **prior)
             self._adaptive_from = started_from
             if self.costs is not None:

@@ -141,7 +141,7 @@ class AcceptancePrior:
     by_match: tuple[tuple[int, "AcceptancePrior"], ...] = ()
     # A draft model's opening guesses (AdaptiveDraftLength.begin): the chance the first
     # drafted token of an answer is accepted, and the opening steps that stands for.
-    opening: tuple[float, float] | None = None
+    opening: "AcceptancePrior | None" = None
 
     def for_match(self, match: int) -> "AcceptancePrior | None":
         return dict(self.by_match).get(match)
@@ -383,7 +383,7 @@ class AdaptiveDraftLength:
         acceptance, steps = self.learned_prior()
         return AcceptancePrior(tuple(acceptance), steps, opening=self.learned_opening())
 
-    def learned_opening(self, max_steps: float = 50.0) -> tuple[float, float] | None:
+    def learned_opening(self, max_steps: float = 50.0) -> AcceptancePrior | None:
         """The opening acceptance to start the next session with, and the openings it
         stands for (this session's, pooled with the prior it started from, as
         learned_prior); None when neither drafted an opening. Worth fewer steps than
@@ -393,7 +393,7 @@ class AdaptiveDraftLength:
         if not self._opening_tried and not old:
             return None
         kept = self._opening_kept + (self.opening_prior or 0.0) * old
-        return kept / (self._opening_tried + old), old + self._opening_tried
+        return AcceptancePrior((kept / (self._opening_tried + old),), old + self._opening_tried)
 
     def learned_prior(self, max_steps: float = 200.0) -> tuple[list[float], float]:
         """The acceptance by position to start the next session with, and the drafting

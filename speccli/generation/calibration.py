@@ -176,11 +176,9 @@ def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
         by_match = tuple((int(match), _prior_from(entry)) for match, entry in data.get("by_match", {}).items())
         if prior is None or any(learned is None for _, learned in by_match):
             return None
-        opening = None
-        if "opening" in data:
-            opening = (float(data["opening"]["acceptance"]), float(data["opening"]["steps"]))
-            if not 0.0 <= opening[0] <= 1.0 or not 0.0 <= opening[1] < float("inf"):
-                return None
+        opening = _prior_from(data["opening"]) if "opening" in data else None
+        if "opening" in data and opening is None:
+            return None
         return AcceptancePrior(prior.acceptance, prior.steps, by_match, opening)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -215,8 +213,7 @@ def remember(
     if learned.by_match:
         payload["by_match"] = {str(match): _prior_payload(prior) for match, prior in learned.by_match}
     if learned.opening is not None:
-        acceptance, steps = learned.opening
-        payload["opening"] = {"acceptance": round(acceptance, 4), "steps": steps}
+        payload["opening"] = _prior_payload(learned.opening)
     offline.write_json(prior_path(calibration_path(identity, cache_dir)), payload)
     return learned
 
