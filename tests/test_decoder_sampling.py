@@ -17,6 +17,7 @@ from transformers import (
 )
 
 import speccli.engine.decoder as decoder_module
+import speccli.engine.sampling as sampling_module
 from conftest import char_tokenizer, perturbed_copy, tiny_llama, wrap, wrap_static
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.decoder import SpeculativeDecoder
@@ -25,7 +26,13 @@ from speccli.engine.events import Provenance, StepEvent, TokenEvent
 
 ALPHABET = "abcdefghijklm"  # 13 characters + 3 special tokens: a vocabulary of 16
 CONTINUATION = 3
-DRAWS = 20_000
+# Enough for the checks below to reject each of these wrong decoders by far (t1, one run of
+# 8000 draws; the first-token / first-two-tokens / joint p-values): the residual drawn from
+# p instead of norm(max(0, p - q)) 1e-76 / 1e-115 / 1e-10; q taken from the next draft
+# position 0 / 0 / 1e-50; the bonus token drawn from the last draft position's row
+# 0.14 / 0.82 / 3e-25. The marginals find a wrong rule at a step from far fewer draws than
+# the joint, whose mass is spread over vocab**3 bins; the joint finds what happens later.
+DRAWS = 6_000
 
 
 def exact_continuation_distribution(model, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
@@ -53,6 +60,21 @@ def exact_continuation_distribution(model, prompt: list[int], sampling: Sampling
     for b, (t1, t2) in enumerate(prefixes.tolist()):
         joint[t1, t2, :] = probs[0][b, t1].double() * probs[1][b, t2].double() * probs[2][b].double()
     return joint.flatten()
+
+
+def prefix_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor, vocab: int, tokens: int) -> float:
+    """The chi-square p-value of the continuations' first `tokens` tokens."""
+    observed = counts.view(vocab**tokens, -1).sum(dim=1)
+    expected = expected_probs.view(vocab**tokens, -1).sum(dim=1)
+    return chi_square_pvalue(observed, expected)
+
+
+def assert_follows(counts: torch.Tensor, expected_probs: torch.Tensor, vocab: int) -> None:
+    """The first token's marginal, the first two tokens' and the whole continuation's
+    joint all fit the expected distribution (each p >= 1e-3)."""
+    for tokens in range(1, CONTINUATION + 1):
+        pvalue = prefix_pvalue(counts, expected_probs, vocab, tokens)
+        assert pvalue >= 1e-3, f"the first {tokens} token(s): p = {pvalue:.3g}"
 
 
 def chi_square_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
@@ -135,11 +157,35 @@ def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sa
         assert set(first_draft_lengths) == {2}
     if tree:  # passes that checked more than one chain's worth of candidates
         assert sum(n for size, n in first_pass_sizes.items() if size > 3) > DRAWS / 20, first_pass_sizes
-    exact = exact_continuation_distribution(target, prompt, sampling)
-    assert chi_square_pvalue(counts, exact) >= 1e-3
-    # The test has power: the same draws are clearly not the draft's distribution.
+    assert_follows(counts, exact_continuation_distribution(target, prompt, sampling), vocab)
+    # The same draws are clearly not the draft's distribution.
     draft_exact = exact_continuation_distribution(draft, prompt, sampling)
     assert chi_square_pvalue_lenient(counts, draft_exact) < 1e-6
+
+
+@pytest.mark.slow
+def test_the_checks_reject_a_residual_drawn_from_p_from_1500_draws(small_pair, monkeypatch):
+    """The checks' power, measured on every run: the commonest wrong rule (after a
+    rejection, drawing from p rather than from norm(max(0, p - q))) fails them from a
+    quarter of the draws the tests above take."""
+    monkeypatch.setattr(decoder_module, "coupled", lambda sampling: False)
+    monkeypatch.setattr(sampling_module, "residual_distribution", lambda p, q: p)
+    tokenizer, target, draft = small_pair
+    vocab = len(tokenizer)
+    prompt = tokenizer("abc", add_special_tokens=False)["input_ids"]
+    decoder = SpeculativeDecoder(wrap(target), tokenizer, [], ModelDrafter(wrap(draft), vocab))
+    spec = SpecConfig(k=2, max_new_tokens=CONTINUATION)
+    counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
+    for seed in range(1500):
+        index = 0
+        for event in decoder.generate(prompt, SamplingConfig(temperature=1.0, seed=seed), spec):
+            if isinstance(event, TokenEvent):
+                index = index * vocab + event.token_id
+        counts[index] += 1
+    exact = exact_continuation_distribution(target, prompt, SamplingConfig(temperature=1.0))
+    assert prefix_pvalue(counts, exact, vocab, 1) < 1e-6
+    with pytest.raises(AssertionError, match="the first 1 token"):
+        assert_follows(counts, exact, vocab)
 
 
 def chi_square_pvalue_lenient(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:

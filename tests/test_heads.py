@@ -26,7 +26,7 @@ from test_decoder_greedy import PROMPTS, emitted, encode, target_greedy
 from test_decoder_sampling import (
     ALPHABET,
     CONTINUATION,
-    chi_square_pvalue,
+    assert_follows,
     exact_continuation_distribution,
 )
 
@@ -416,7 +416,7 @@ def test_head_samples_follow_the_exact_target_distribution(kind, tree, monkeypat
     prompt = tokenizer("abc", add_special_tokens=False)["input_ids"]
     sampling = SamplingConfig(temperature=1.0)
     spec = SpecConfig(k=2, max_new_tokens=CONTINUATION, tree=tree)
-    draws = 12_000
+    draws = 5_000  # the first-token and first-two-tokens checks find a wrong rule from far fewer
     seeds = torch.Generator().manual_seed(4321)
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
     provenances = collections.Counter()
@@ -430,7 +430,7 @@ def test_head_samples_follow_the_exact_target_distribution(kind, tree, monkeypat
             provenances[event.provenance] += 1
         counts[index] += 1
     assert {Provenance.ACCEPTED, Provenance.RESAMPLED, Provenance.BONUS} <= set(provenances), provenances
-    assert chi_square_pvalue(counts, exact_continuation_distribution(target, prompt, sampling)) >= 1e-3
+    assert_follows(counts, exact_continuation_distribution(target, prompt, sampling), vocab)
 
 
 def test_corpus_from_jsonl_and_refusals(tmp_path, tokenizer):
