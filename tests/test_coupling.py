@@ -29,6 +29,7 @@ from test_decoder_sampling import (
     CONTINUATION,
     assert_follows,
     chi_square_pvalue_lenient,
+    continuation_counts,
     exact_continuation_distribution,
     small_pair,  # noqa: F401 - a fixture: the same enumerable pair as the rejection rule's test
 )
@@ -180,22 +181,6 @@ def test_provenance_and_noise_kept_per_position(pairs, tokenizer):
 
 DRAWS = 2000
 WRONG_DRAWS = 400
-
-
-def continuation_counts(decoder, prompt, sampling: SamplingConfig, draws: int, first_seed: int, vocab: int):
-    counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
-    provenances = collections.Counter()
-    spec = SpecConfig(k=2, max_new_tokens=CONTINUATION)
-    for seed in range(first_seed, first_seed + draws):
-        run = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
-        tokens = [e for e in decoder.generate(prompt, run, spec) if isinstance(e, TokenEvent)]
-        assert len(tokens) == CONTINUATION
-        index = 0
-        for event in tokens:
-            index = index * vocab + event.token_id
-            provenances[event.provenance] += 1
-        counts[index] += 1
-    return counts, provenances
 
 
 @pytest.mark.slow

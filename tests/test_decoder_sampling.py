@@ -163,6 +163,22 @@ def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sa
     assert chi_square_pvalue_lenient(counts, draft_exact) < 1e-6
 
 
+def continuation_counts(decoder, prompt, sampling: SamplingConfig, draws: int, first_seed: int, vocab: int):
+    counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
+    provenances = collections.Counter()
+    spec = SpecConfig(k=2, max_new_tokens=CONTINUATION)
+    for seed in range(first_seed, first_seed + draws):
+        run = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
+        tokens = [e for e in decoder.generate(prompt, run, spec) if isinstance(e, TokenEvent)]
+        assert len(tokens) == CONTINUATION
+        index = 0
+        for event in tokens:
+            index = index * vocab + event.token_id
+            provenances[event.provenance] += 1
+        counts[index] += 1
+    return counts, provenances
+
+
 @pytest.mark.slow
 def test_the_checks_reject_a_residual_drawn_from_p_from_1500_draws(small_pair, monkeypatch):
     """The checks' power, measured on every run: the commonest wrong rule (after a
@@ -174,14 +190,7 @@ def test_the_checks_reject_a_residual_drawn_from_p_from_1500_draws(small_pair, m
     vocab = len(tokenizer)
     prompt = tokenizer("abc", add_special_tokens=False)["input_ids"]
     decoder = SpeculativeDecoder(wrap(target), tokenizer, [], ModelDrafter(wrap(draft), vocab))
-    spec = SpecConfig(k=2, max_new_tokens=CONTINUATION)
-    counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
-    for seed in range(1500):
-        index = 0
-        for event in decoder.generate(prompt, SamplingConfig(temperature=1.0, seed=seed), spec):
-            if isinstance(event, TokenEvent):
-                index = index * vocab + event.token_id
-        counts[index] += 1
+    counts, _ = continuation_counts(decoder, prompt, SamplingConfig(temperature=1.0), 1500, 0, vocab)
     exact = exact_continuation_distribution(target, prompt, SamplingConfig(temperature=1.0))
     assert prefix_pvalue(counts, exact, vocab, 1) < 1e-6
     with pytest.raises(AssertionError, match="the first 1 token"):
