@@ -41,7 +41,11 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        print(f"specgen {__version__}")
+        try:
+            print(f"specgen {__version__}", flush=True)
+        except BrokenPipeError:
+            _discard_stdout()
+            raise typer.Exit(EXIT_BROKEN_PIPE)
         raise typer.Exit()
 
 
@@ -515,9 +519,32 @@ def heads_list(
     _run_guarded(body)
 
 
+def _stdout_file() -> tuple[int, int] | None:
+    """Which file standard output is (device, inode), or None where it has no descriptor."""
+    try:
+        status = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _reader_went_away(stdout_before: tuple[int, int] | None) -> bool:
+    """Whether Rich (Typer's help) met a closed pipe on stdout: it points stdout at the null
+    device and exits 1."""
+    devnull = os.stat(os.devnull)
+    null = (devnull.st_dev, devnull.st_ino)
+    return stdout_before not in (None, null) and _stdout_file() == null
+
+
 def main() -> None:
+    stdout_before = _stdout_file()
     try:
         app()
+    except SystemExit as done:
+        # `specgen --help | head -1`: the same exit status as a generation whose reader went away.
+        if done.code == EXIT_FAILURE and _reader_went_away(stdout_before):
+            raise SystemExit(EXIT_BROKEN_PIPE) from None
+        raise
     finally:
         # The command is done (its exit code is set): a Ctrl-C now must not turn the
         # interpreter's shutdown into a traceback from some library's finalizer.

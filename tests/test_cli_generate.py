@@ -160,6 +160,28 @@ def test_a_reader_that_closes_the_pipe_stops_generation_quietly_with_141(endless
     assert stderr == b""  # no "BrokenPipeError", no traceback
 
 
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["--version"]])
+def test_help_and_version_to_a_reader_that_is_gone_exit_141_as_generation_does(args, tmp_path):
+    # `specgen --help | head -1`: Rich meets the closed pipe inside Typer and would exit 1.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "speccli.cli", *args], stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=isolated_env(tmp_path),
+    )
+    process.stdout.close()  # gone before the first write
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == 141, stderr.decode()
+    assert stderr == b""
+
+
+def test_help_to_the_null_device_still_exits_0(tmp_path):
+    with open(os.devnull, "w") as null:
+        done = subprocess.run(
+            [sys.executable, "-m", "speccli.cli", "--help"], stdout=null, stderr=subprocess.PIPE,
+            cwd=REPO, env=isolated_env(tmp_path), timeout=120,
+        )
+    assert done.returncode == 0 and done.stderr == b""
+
+
 runner = CliRunner()
 
 
