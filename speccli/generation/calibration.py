@@ -16,7 +16,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -28,6 +28,8 @@ from speccli.engine.policy import AcceptancePrior
 from speccli.models import offline
 from speccli.models.loading import LoadedModel, cpu_name, dtype_name
 from speccli.generation.pipeline import Pipeline
+
+T = TypeVar("T")
 
 # 4: 8 rounds; 3: 3 rounds of each size's median ratio to a one-token pass timed just before
 # it; 2: the fastest round; 1: the median
@@ -131,33 +133,41 @@ def draft_cost_path(identity: dict[str, Any], cache_dir: Path | None = None) -> 
     return path.parent / "draft" / path.name
 
 
-def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:
+def _read_entry(path: Path, identity: dict[str, Any], parse: Callable[[dict[str, Any]], T | None]) -> T | None:
+    """What `parse` reads from the JSON file at `path` if it was written for `identity`; None if
+    the file is missing, damaged, another identity's, or `parse` finds it invalid."""
     try:
         data = json.loads(path.read_text())
         if data.get("identity") != identity:
             return None
-        return CostProfile.from_dict(data["costs"])
+        return parse(data)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # missing or damaged: measure again
+
+
+def _write_entry(path: Path, identity: dict[str, Any], entry: dict[str, Any]) -> None:
+    offline.write_json(path, {"identity": identity, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **entry})
+
+
+def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:
+    return _read_entry(path, identity, lambda data: CostProfile.from_dict(data["costs"]))
 
 
 def _write(path: Path, identity: dict[str, Any], costs: CostProfile) -> None:
-    payload = {"identity": identity, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "costs": costs.as_dict()}
-    offline.write_json(path, payload)
+    _write_entry(path, identity, {"costs": costs.as_dict()})
+
+
+def _positive_seconds(data: dict[str, Any]) -> float | None:
+    seconds = float(data["draft_seconds"])
+    return seconds if 0 < seconds < float("inf") else None
 
 
 def _read_draft_seconds(path: Path, identity: dict[str, Any]) -> float | None:
-    try:
-        data = json.loads(path.read_text())
-        seconds = float(data["draft_seconds"])
-        return seconds if data.get("identity") == identity and 0 < seconds < float("inf") else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None  # missing or damaged: measure again
+    return _read_entry(path, identity, _positive_seconds)
 
 
 def _write_draft_seconds(path: Path, identity: dict[str, Any], seconds: float) -> None:
-    payload = {"identity": identity, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "draft_seconds": seconds}
-    offline.write_json(path, payload)
+    _write_entry(path, identity, {"draft_seconds": seconds})
 
 
 def prior_path(calibration: Path) -> Path:
@@ -168,20 +178,18 @@ def prior_path(calibration: Path) -> Path:
 
 def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
     """The acceptance prior saved at `path` for this identity; None if missing or damaged."""
-    try:
-        data = json.loads(path.read_text())
-        if data.get("identity") != identity:
-            return None
-        prior = _prior_from(data)
-        by_match = tuple((int(match), _prior_from(entry)) for match, entry in data.get("by_match", {}).items())
-        if prior is None or any(learned is None for _, learned in by_match):
-            return None
-        opening = _prior_from(data["opening"]) if "opening" in data else None
-        if "opening" in data and opening is None:
-            return None
-        return AcceptancePrior(prior.acceptance, prior.steps, by_match, opening)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    return _read_entry(path, identity, _learned_prior_from)
+
+
+def _learned_prior_from(data: dict[str, Any]) -> AcceptancePrior | None:
+    prior = _prior_from(data)
+    by_match = tuple((int(match), _prior_from(entry)) for match, entry in data.get("by_match", {}).items())
+    if prior is None or any(learned is None for _, learned in by_match):
         return None
+    opening = _prior_from(data["opening"]) if "opening" in data else None
+    if "opening" in data and opening is None:
+        return None
+    return AcceptancePrior(prior.acceptance, prior.steps, by_match, opening)
 
 
 def _prior_from(data: dict[str, Any]) -> AcceptancePrior | None:
