@@ -19,6 +19,7 @@ from speccli.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
+    EXIT_OK,
     EXIT_USAGE,
     UsageError,
     debugging,
@@ -39,14 +40,14 @@ app = typer.Typer(
 )
 
 
+def _print_version() -> int:
+    print(f"specgen {__version__}", flush=True)
+    return EXIT_OK
+
+
 def _version(value: bool) -> None:
     if value:
-        try:
-            print(f"specgen {__version__}", flush=True)
-        except BrokenPipeError:
-            _discard_stdout()
-            raise typer.Exit(EXIT_BROKEN_PIPE)
-        raise typer.Exit()
+        _run_guarded(_print_version)
 
 
 @app.callback()
