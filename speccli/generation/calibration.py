@@ -145,8 +145,9 @@ def _read_entry(path: Path, identity: dict[str, Any], parse: Callable[[dict[str,
         return None  # missing or damaged: measure again
 
 
-def _write_entry(path: Path, identity: dict[str, Any], entry: dict[str, Any]) -> None:
-    offline.write_json(path, {"identity": identity, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **entry})
+def _write_entry(path: Path, identity: dict[str, Any], entry: dict[str, Any], stamp: str = "measured") -> None:
+    """Write `entry` for `identity` at `path`, with the time under `stamp`."""
+    offline.write_json(path, {"identity": identity, stamp: time.strftime("%Y-%m-%dT%H:%M:%S%z"), **entry})
 
 
 def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:
@@ -213,16 +214,12 @@ def remember(
     if learned is None:
         return None
     identity = prior_identity(pipeline, max_k + 1)
-    payload = {
-        "identity": identity,
-        "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        **_prior_payload(learned),
-    }
+    entry = _prior_payload(learned)
     if learned.by_match:
-        payload["by_match"] = {str(match): _prior_payload(prior) for match, prior in learned.by_match}
+        entry["by_match"] = {str(match): _prior_payload(prior) for match, prior in learned.by_match}
     if learned.opening is not None:
-        payload["opening"] = _prior_payload(learned.opening)
-    offline.write_json(prior_path(calibration_path(identity, cache_dir)), payload)
+        entry["opening"] = _prior_payload(learned.opening)
+    _write_entry(prior_path(calibration_path(identity, cache_dir)), identity, entry, stamp="saved")
     return learned
 
 
