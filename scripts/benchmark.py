@@ -58,7 +58,7 @@ from typing import Sequence
 import torch
 
 from speccli.commands.bench_prompts import encode_bench_prompt, load_prompts
-from speccli.commands.bench_runner import first_difference
+from speccli.commands.divergence import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.engine.calibration import CostProfile, measure_costs
 from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter

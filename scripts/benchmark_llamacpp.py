@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import DEFAULT_PROMPTS, fmt, log, round_robin_by_category, strip_eos  # noqa: E402
 
 from speccli.commands.bench_prompts import encode_bench_prompt, load_prompts  # noqa: E402
-from speccli.commands.bench_runner import first_difference  # noqa: E402
+from speccli.commands.divergence import first_difference  # noqa: E402
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig  # noqa: E402
 from speccli.engine.calibration import CostProfile, measure_costs  # noqa: E402
 from speccli.engine.drafters import PromptLookupDrafter  # noqa: E402

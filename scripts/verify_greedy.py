@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from speccli.commands.bench_runner import first_difference
+from speccli.commands.divergence import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.generation.pipeline import load_pipeline
 from speccli.generation.prompts import Prompt

@@ -19,7 +19,7 @@ import argparse
 import sys
 import time
 
-from speccli.commands.bench_runner import first_difference
+from speccli.commands.divergence import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.engine.drafters import PromptLookupDrafter
 from speccli.generation.pipeline import load_pipeline

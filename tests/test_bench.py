@@ -17,7 +17,7 @@ from rich.console import Console
 from conftest import char_tokenizer, wrap
 from speccli.commands.bench_prompts import BenchInputError, BenchPrompt, encode_bench_prompt, load_prompts, parse_k_list
 from speccli.commands.bench_results import BenchResults, BenchRow, BenchSettings, RunResult, Spread
-from speccli.commands.bench_runner import BenchProgress, BenchRunner, mismatch_message, run_bench
+from speccli.commands.bench_runner import BenchProgress, BenchRunner, run_bench
 from speccli.generation.stream import Generator
 from speccli.config import SamplingConfig
 from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
@@ -402,18 +402,105 @@ def test_broken_speculative_path_is_reported_as_a_mismatch(pairs, tokenizer):
         position = next(i for i, (a, b) in enumerate(zip(row.plain.token_ids, row.spec.token_ids)) if a != b)
         assert position >= 3  # the first verifications ran before the fault
         assert row.mismatch_position == position
+        assert row.check == "mismatch" and row.divergence.tolerance == 0.0  # float32
         assert row.error == (
-            f"greedy outputs differ at new token {position}: plain token id {row.plain.token_ids[position]},"
-            f" speculative {row.spec.token_ids[position]}"
+            f"MISMATCH at token {position} (gap {row.divergence.gap:.3f}; plain id {row.plain.token_ids[position]},"
+            f" speculative id {row.spec.token_ids[position]})"
         )
     overall = results.overall
     assert overall.mismatches == 2 and overall.failures == 0 and overall.errors == 2
+    assert (overall.identical, overall.near_ties) == (0, 0)
     assert overall.speedup.n == 2  # timings of a mismatched pair are still measurements
     assert len(results.errors) == 2
 
 
-def test_mismatch_when_one_output_is_a_prefix():
-    assert mismatch_message([5, 6, 7], [5, 6], 2) == "greedy outputs differ at new token 2: plain emitted 3 tokens, speculative 2"
+class SplitAt:
+    """A target that, predicting new token `position`, scores two tokens at 16.0: in one-token
+    passes (plain decoding) `first` leads by `lead`, in verification passes over several
+    tokens `second` leads by `lead`, and in the bench's re-scoring pass (several tokens, last
+    row only) `second` trails by `rescored_gap`. It stands for rounding that depends on the
+    pass's shape (a near-tie, rescored_gap small) or for a faulty verification (a mismatch,
+    rescored_gap wide)."""
+
+    def __init__(self, inner, prompt_len: int, position: int, first: int, second: int, lead: float, rescored_gap: float):
+        self.inner = inner
+        self.at = prompt_len + position  # the context length whose next token is new token `position`
+        self.first, self.second = first, second
+        self.lead, self.rescored_gap = lead, rescored_gap
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def cached_tokens(self):
+        return self.inner.cached_tokens
+
+    def forward(self, token_ids, all_logits=True):
+        cached_before = len(self.inner.cached_tokens)
+        logits = self.inner.forward(token_ids, all_logits).clone()
+        first_row_context = cached_before + 1 if all_logits else cached_before + len(token_ids)
+        row = self.at - first_row_context
+        if 0 <= row < logits.shape[0]:
+            logits[row] = logits[row].clamp(max=8.0)
+            if len(token_ids) == 1:
+                logits[row, self.first], logits[row, self.second] = 16.0, 16.0 - self.lead
+            elif all_logits:
+                logits[row, self.first], logits[row, self.second] = 16.0 - self.lead, 16.0
+            else:
+                logits[row, self.first], logits[row, self.second] = 16.0, 16.0 - self.rescored_gap
+        return logits
+
+
+def split_bench(pair, tokenizer, dtype, rescored_gap):
+    prompt = BenchPrompt("fib", text="def fib(n):")
+    prompt_ids = tokenizer(prompt.text)["input_ids"]
+    position = 3
+    first = reference_greedy(pair.target, prompt_ids)[position]
+    second = next(t for t in (first + 1, first + 2) if t != EOS)
+    target = SplitAt(wrap(pair.target), len(prompt_ids), position, first, second, lead=0.0625, rescored_gap=rescored_gap)
+    results = run_bench(
+        [prompt], target, tokenizer, [EOS], lambda: ModelDrafter(wrap(pair.draft), len(tokenizer)),
+        BenchSettings(max_new_tokens=MAX_NEW, ks=(2,), warmup=False), dtype=dtype,
+    )
+    (row,) = results.rows
+    assert row.plain.token_ids[position] == first and row.spec.token_ids[position] == second
+    assert row.plain.token_ids[:position] == row.spec.token_ids[:position]
+    return results, row, position
+
+
+def test_a_divergence_at_a_bfloat16_tie_is_a_near_tie_and_not_an_error(pairs, tokenizer):
+    results, row, position = split_bench(pairs[0], tokenizer, torch.bfloat16, rescored_gap=0.0)
+    assert row.identical is False and row.check == "near-tie" and row.near_tie
+    assert row.mismatch_position == position and row.error is None
+    assert row.divergence.gap == 0.0 and row.divergence.tolerance == 0.25  # 2 ulps of bfloat16 at 16
+    assert row.divergence.describe() == f"near-tie at token {position} (gap 0.000, bfloat16)"
+    assert results.errors == []  # the command exits 0
+    overall = results.overall
+    assert (overall.identical, overall.near_ties, overall.mismatches, overall.errors) == (0, 1, 0, 0)
+    assert overall.speedup.n == 1  # a near-tie row keeps its place in the speed-up
+    assert "greedy: 0 identical, 1 near-ties, 0 mismatches" in bench_report.headline(results)
+    assert bench_report.near_tie_lines(results) == [f"fib k=2 repeat 1: near-tie at token {position} (gap 0.000, bfloat16)"]
+    data = json.loads(bench_report.to_json(results))
+    assert data["overall"]["near_ties"] == 1 and data["overall"]["mismatches"] == 0
+    assert data["rows"][0]["check"] == "near-tie"
+    assert data["rows"][0]["divergence"] == {
+        "kind": "near-tie", "position": position, "plain_token": row.plain.token_ids[position],
+        "speculative_token": row.spec.token_ids[position], "gap": 0.0, "tolerance": 0.25, "dtype": "bfloat16",
+    }
+
+
+def test_a_divergence_at_a_wide_gap_is_a_mismatch_in_bfloat16(pairs, tokenizer):
+    results, row, position = split_bench(pairs[0], tokenizer, torch.bfloat16, rescored_gap=1.25)
+    assert row.check == "mismatch" and row.divergence.gap == 1.25
+    assert row.error.startswith(f"MISMATCH at token {position} (gap 1.250; plain id ")
+    assert results.errors == [row]  # the command exits 1
+    assert "greedy: 0 identical, 0 near-ties, 1 mismatches; 1 error rows" in bench_report.headline(results)
+
+
+def test_in_float32_a_divergence_at_an_exact_tie_is_a_mismatch(pairs, tokenizer):
+    results, row, position = split_bench(pairs[0], tokenizer, torch.float32, rescored_gap=0.0)
+    assert row.check == "mismatch" and row.divergence.gap == 0.0 and row.divergence.tolerance == 0.0
+    assert results.errors == [row]
 
 
 class ExplodingDrafter(PromptLookupDrafter):

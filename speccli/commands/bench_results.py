@@ -7,6 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from speccli.commands.divergence import Divergence
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig
 from speccli.stats import GenerationStats, speedup
 
@@ -104,9 +105,10 @@ class RunResult:
 class BenchRow:
     """One prompt at one k, one repeat: a plain run and a speculative run side by side.
 
-    `error` is set when a run failed (its result is then None) or, in greedy mode, when
-    the two outputs differ; `mismatch_position` is then the index of the first differing
-    new token.
+    In greedy mode, where the two outputs differ, `divergence` says where and whether the
+    target's rounding explains it (a near-tie) or not (a mismatch); `mismatch_position` is
+    the index of the first differing new token either way. `error` is set when a run failed
+    (its result is then None) or at a mismatch; a near-tie is not an error.
     """
 
     prompt: str
@@ -120,6 +122,18 @@ class BenchRow:
     identical: bool | None = None  # None: not checked (sampling) or a run failed
     mismatch_position: int | None = None
     error: str | None = None
+    divergence: Divergence | None = None
+
+    @property
+    def check(self) -> str | None:
+        """Greedy rows: "identical", "near-tie" or "mismatch"; None when not checked."""
+        if self.identical:
+            return "identical"
+        return None if self.divergence is None else self.divergence.kind
+
+    @property
+    def near_tie(self) -> bool:
+        return self.divergence is not None and self.divergence.near_tie
 
     @property
     def completed(self) -> bool:
@@ -150,7 +164,9 @@ class BenchRow:
             "speedup": _round(self.speedup),
             "end_to_end_speedup": _round(self.end_to_end_speedup),
             "identical": self.identical,
+            "check": self.check,
             "mismatch_position": self.mismatch_position,
+            "divergence": None if self.divergence is None else self.divergence.as_dict(),
             "error": self.error,
             "plain": None if self.plain is None else self.plain.as_dict(tokens),
             "speculative": None if self.spec is None else self.spec.as_dict(tokens),
@@ -208,7 +224,9 @@ class BenchSummary:
     rows: int
     completed: int
     failures: int  # rows where a run raised
-    mismatches: int  # greedy rows whose outputs differ
+    identical: int  # greedy rows whose outputs are the same
+    near_ties: int  # greedy rows whose outputs part where rounding explains it
+    mismatches: int  # greedy rows whose outputs part where rounding does not
     speedup: Spread | None
     plain: GenerationStats
     spec: GenerationStats
@@ -224,7 +242,9 @@ class BenchSummary:
             rows=len(rows),
             completed=len(done),
             failures=sum(not r.completed for r in rows),
-            mismatches=sum(r.identical is False for r in rows),
+            identical=sum(r.check == "identical" for r in rows),
+            near_ties=sum(r.near_tie for r in rows),
+            mismatches=sum(r.identical is False and not r.near_tie for r in rows),
             speedup=Spread.of(speedups),
             plain=GenerationStats.pooled(r.plain.stats for r in done),
             spec=GenerationStats.pooled(r.spec.stats for r in done),
@@ -275,6 +295,8 @@ class BenchSummary:
             "rows": self.rows,
             "completed": self.completed,
             "failures": self.failures,
+            "identical": self.identical,
+            "near_ties": self.near_ties,
             "mismatches": self.mismatches,
             "speedup": None if self.speedup is None else self.speedup.as_dict(),
             "pooled_speedup": _round(self.pooled_speedup),

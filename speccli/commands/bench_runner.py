@@ -28,8 +28,11 @@ import platform
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
+
 from speccli.commands.bench_prompts import BenchInputError, BenchPrompt, encode_bench_prompt
 from speccli.commands.bench_results import BenchResults, BenchRow, BenchSettings, RunResult
+from speccli.commands.divergence import Divergence, classify, first_difference
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.backends import CausalLM
 from speccli.engine.context import ContextOverflowError
@@ -73,22 +76,6 @@ class BenchProgress:
         return f"{where}: " + ("n/a" if speedup is None else f"{speedup:.2f}x")
 
 
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first position where two token lists differ (a length difference counts), or None."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def mismatch_message(plain: Sequence[int], spec: Sequence[int], position: int) -> str:
-    if position < len(plain) and position < len(spec):
-        detail = f"plain token id {plain[position]}, speculative {spec[position]}"
-    else:
-        detail = f"plain emitted {len(plain)} tokens, speculative {len(spec)}"
-    return f"greedy outputs differ at new token {position}: {detail}"
-
-
 class BenchRunner:
     """Runs prompts through plain and speculative decoding and keeps the rows.
 
@@ -98,6 +85,9 @@ class BenchRunner:
     learned across runs; the runner empties the drafter's state and the target's cache
     before every run. Rows accumulate in `self.rows`, so after an interruption
     `results(complete=False)` still reports what was measured.
+
+    `dtype` is the target's compute dtype: in greedy mode a divergence within its rounding
+    is a near-tie, not an error (speccli.commands.divergence).
     """
 
     def __init__(
@@ -107,8 +97,10 @@ class BenchRunner:
         settings: BenchSettings,
         progress: Callable[[BenchProgress], None] | None = None,
         metadata: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.generator = generator
+        self.dtype = dtype
         self.make_drafter = make_drafter or (lambda: generator.drafter)
         self.settings = settings
         self.progress = progress or (lambda _: None)
@@ -174,9 +166,34 @@ class BenchRunner:
             position = first_difference(row.plain.token_ids, row.spec.token_ids)
             row.identical = position is None
             if position is not None:
+                row.divergence = self.divergence(prompt_ids, row.plain, row.spec, position)
                 row.mismatch_position = position
-                row.error = mismatch_message(row.plain.token_ids, row.spec.token_ids, position)
+                if not row.divergence.near_tie:
+                    row.error = row.divergence.describe()
         return row
+
+    def divergence(self, prompt_ids: Sequence[int], plain: RunResult, spec: RunResult, position: int) -> Divergence:
+        """Classify where two greedy runs part: the target scores the prompt and their common
+        prefix once more, and the gap between its logits for the two choices is compared with
+        the rounding of its dtype. A run that ended there stands for its end-of-sequence id."""
+        prefix = plain.token_ids[:position]
+        target = self.generator.target
+        logits = None
+        try:
+            target.rollback(0)
+            logits = target.forward([*prompt_ids, *prefix], all_logits=False)[-1]
+        except Exception:  # noqa: BLE001 - a failed re-score leaves the divergence unexplained (a mismatch)
+            pass
+        finally:
+            target.rollback(0)
+        eos = sorted(self.generator.decoder.eos_token_ids)
+
+        def ended_by(run: RunResult) -> list[int]:
+            return eos if len(run.token_ids) == position and run.stats.finish_reason == "eos" else []
+
+        return classify(
+            position, plain.token_ids, spec.token_ids, logits, self.dtype, ended_by(plain), ended_by(spec)
+        )
 
     def _run_one(self, plain: bool, prompt_ids: Sequence[int], sampling: SamplingConfig, spec: SpecConfig) -> RunResult:
         if not plain:
@@ -203,9 +220,11 @@ def run_bench(
     settings: BenchSettings,
     progress: Callable[[BenchProgress], None] | None = None,
     metadata: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> BenchResults:
     """Build a BenchRunner over a Generator of these parts and run it."""
-    runner = BenchRunner(Generator.over(target, tokenizer, eos_token_ids), make_drafter, settings, progress, metadata)
+    generator = Generator.over(target, tokenizer, eos_token_ids)
+    runner = BenchRunner(generator, make_drafter, settings, progress, metadata, dtype)
     return runner.run(prompts)
 
 

@@ -43,7 +43,9 @@ CSV_COLUMNS = (
     "tree_steps",
     "acceptance_by_position",
     "identical",
+    "check",
     "mismatch_position",
+    "divergence_gap",
     "error",
 )
 
@@ -96,7 +98,10 @@ def _range(s: BenchSummary) -> str:
 
 
 def _errors(s: BenchSummary) -> str:
+    """Mismatches and failed runs; near-ties are shown beside them but are not errors."""
     parts = []
+    if s.near_ties:
+        parts.append(f"({s.near_ties} near-tie" + ("s)" if s.near_ties > 1 else ")"))
     if s.mismatches:
         parts.append(f"{s.mismatches} mismatch" + ("es" if s.mismatches > 1 else ""))
     if s.failures:
@@ -142,6 +147,9 @@ def headline(results: BenchResults) -> str:
         f" over {sp.n} runs; plain {_num(o.plain_tokens_per_second, '.2f')} tok/s,"
         f" speculative {_num(o.spec_tokens_per_second, '.2f')} tok/s"
     )
+    checked = o.identical + o.near_ties + o.mismatches
+    if checked:
+        line += f"; greedy: {o.identical} identical, {o.near_ties} near-ties, {o.mismatches} mismatches"
     if o.errors:
         line += f"; {o.errors} error rows"
     if not results.complete:
@@ -153,6 +161,11 @@ def error_lines(results: BenchResults) -> list[str]:
     return [f"{r.prompt} k={r.k} repeat {r.repeat + 1}: {r.error}" for r in results.errors]
 
 
+def near_tie_lines(results: BenchResults) -> list[str]:
+    """One line per greedy row whose outputs part at a near-tie (not an error)."""
+    return [f"{r.prompt} k={r.k} repeat {r.repeat + 1}: {r.divergence.describe()}" for r in results.rows if r.near_tie]
+
+
 # --------------------------------------------------------------------------- formats
 
 
@@ -162,7 +175,7 @@ def _text_cells(summary: BenchSummary) -> list[Text]:
 
 
 def print_table(results: BenchResults, console: Console) -> None:
-    """A rich table per (prompt, k), then the per-k totals, then any errors."""
+    """A rich table per (prompt, k), then the per-k totals, then any near-ties and errors."""
     table = Table(title="speculative vs plain decoding", caption=headline(results), title_justify="left")
     for name in SUMMARY_COLUMNS:
         numeric = name not in ("prompt", "category", "acceptance by position", "errors")
@@ -174,6 +187,8 @@ def print_table(results: BenchResults, console: Console) -> None:
     for s in _totals(results):
         table.add_row(*_text_cells(s), style="bold red" if s.errors else "bold")
     console.print(table)
+    for line in near_tie_lines(results):
+        console.print(Text(f"near-tie: {line}", style="yellow"))
     for line in error_lines(results):
         console.print(Text(f"error: {line}", style="red"))
 
@@ -231,7 +246,9 @@ def to_csv(results: BenchResults) -> str:
             "tree_steps": st.tree_steps if st else None,
             "acceptance_by_position": " ".join(f"{x:.4f}" for x in st.acceptance_by_position) if st else None,
             "identical": row.identical,
+            "check": row.check,
             "mismatch_position": row.mismatch_position,
+            "divergence_gap": None if row.divergence is None else _r(row.divergence.gap, 6),
             "error": row.error,
         }
         writer.writerow([_csv_value(values[c]) for c in CSV_COLUMNS])
@@ -247,7 +264,7 @@ def _md_escape(cell: str) -> str:
 
 
 def to_markdown(results: BenchResults) -> str:
-    """A Markdown table per (prompt, k), the per-k totals in bold, the headline, and errors."""
+    """A Markdown table per (prompt, k), the per-k totals in bold, the headline, near-ties and errors."""
     lines = [
         "| " + " | ".join(SUMMARY_COLUMNS) + " |",
         "|" + "|".join("---" if c in ("prompt", "category", "acceptance by position", "errors") else "---:" for c in SUMMARY_COLUMNS) + "|",
@@ -257,6 +274,9 @@ def to_markdown(results: BenchResults) -> str:
     for s in _totals(results):
         lines.append("| " + " | ".join(f"**{_md_escape(c)}**" for c in summary_cells(s)) + " |")
     lines += ["", headline(results)]
+    near_ties = near_tie_lines(results)
+    if near_ties:
+        lines += ["", "Near-ties (rounding, not errors):", ""] + [f"- {_md_escape(e)}" for e in near_ties]
     errors = error_lines(results)
     if errors:
         lines += ["", "Errors:", ""] + [f"- {_md_escape(e)}" for e in errors]
@@ -340,6 +360,7 @@ __all__ = [
     "SUMMARY_COLUMNS",
     "error_lines",
     "headline",
+    "near_tie_lines",
     "plot",
     "print_table",
     "render",
