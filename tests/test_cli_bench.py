@@ -5,11 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+from importlib.metadata import version
 
 import pytest
 from typer.testing import CliRunner
 
 from conftest import ON_CPU, char_tokenizer, perturbed_copy, save_model_folder, tiny_llama
+from speccli import __version__
 from speccli.cli import app
 
 # The commands here run with k auto (calibrating) unless told otherwise: keep it out of ~/.cache.
@@ -121,4 +123,12 @@ def test_models_json_lists_the_default_pair():
 
 def test_version():
     result = runner.invoke(app, ["--version"])
-    assert result.exit_code == 0 and result.stdout.startswith("specgen ")
+    assert result.exit_code == 0 and result.stdout == f"specgen {__version__}\n"
+    assert __version__ == version("specgen")  # the package's metadata (pyproject.toml)
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["bench"], ["models"], ["train"]])
+def test_help_shows_flags_as_flags(command):
+    result = runner.invoke(app, [*command, "--help"], terminal_width=120)
+    assert result.exit_code == 0
+    assert "--help" in result.stdout and "<bool>" not in result.stdout
