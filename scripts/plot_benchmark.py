@@ -1,8 +1,8 @@
 """Plot scripts/benchmark.py JSON results: tokens/s per prompt and method, one panel per dtype
 and result file (each panel shows the methods its run measured).
 
-    python scripts/plot_benchmark.py bench.json docs/benchmark.png
-    python scripts/plot_benchmark.py bench-bf16.json bench-f32.json docs/benchmark.png
+    python scripts/plot_benchmark.py bench.json benchmark.png
+    python scripts/plot_benchmark.py bench-bf16.json bench-f32.json benchmark.png
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ Policies:
   pooled    one acceptance for every match (specgen before 2026-12-02)
 
 Usage:
-  python scripts/replay_lookup.py docs/benchmark-2026-12-02-amx-float32-lookahead-trees.json
-  python scripts/replay_lookup.py docs/benchmark-*.json --policies by-match,pooled --json-out out.json
+  python scripts/replay_lookup.py benchmarks/results/benchmark-2026-12-05-amx-float32-lookahead-trees.json
+  python scripts/replay_lookup.py benchmarks/results/benchmark-2026-12-05-amx-*.json --policies by-match,pooled --json-out out.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ one acceptance for every step (auto-old: AdaptiveDraftLength.begin made a no-op,
 code before the change), with plain decoding beside them; the real Qwen2.5-Coder pair, one
 calibration, one process, the variants' order rotated per prompt (modelled + measured).
 
-    python docs/k-auto-opening-ab.py float32 plain,auto-old,auto 12 128 out.json
+    python scripts/k_auto_opening_ab.py float32 plain,auto-old,auto 12 128 out.json
 
 ONESHOT=1: a fresh policy for every prompt, as `specgen generate` runs (each from the learned
 prior PRIOR, comma-separated acceptance by position, worth PRIOR_STEPS steps); without it one
