@@ -11,7 +11,7 @@ from conftest import wrap, wrap_static
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.engine.backends import HFCausalLM
 from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import Draft, ModelDrafter, PromptLookupDrafter
+from speccli.engine.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from speccli.engine.events import (
     FinishEvent,
     FinishReason,
@@ -20,6 +20,7 @@ from speccli.engine.events import (
     StepEvent,
     TokenEvent,
 )
+from speccli.engine.policy import DraftLengthPolicy
 
 EOS = 2
 
@@ -102,7 +103,7 @@ def test_rollback_to_zero_and_reuse_across_generations(pairs, tokenizer):
     assert_cache_matches_fresh_prefill(backend, pair.target, 5)
 
 
-class SecondChoiceDrafter:
+class SecondChoiceDrafter(Drafter):
     """Always wrong in greedy mode: drafts the target's second-best token."""
 
     name = "second-choice"
@@ -234,7 +235,7 @@ def test_prompt_lookup_says_how_long_a_match_its_draft_follows():
     assert drafter.match_length(context + [4, 8, 6]) == 1  # "6" did, "8 6" did not
 
 
-class MatchRecorder:
+class MatchRecorder(DraftLengthPolicy):
     """A policy that drafts 2 tokens and records the match lengths the decoder told it."""
 
     def __init__(self) -> None:

@@ -107,6 +107,8 @@ def test_a_draft_with_a_prefix_vocabulary_gives_the_targets_greedy_text(prefix_p
 class FavouriteLM:
     """A CausalLM stub over `rows` ids whose logits favour `favourite` above all; it records what it is fed."""
 
+    setup_seconds = 0.0
+
     def __init__(self, rows: int, favourite: int) -> None:
         self.vocab_size, self.favourite = rows, favourite
         self.device = torch.device("cpu")

@@ -22,6 +22,7 @@ from speccli.engine.lookahead import (
     choose_shape,
     window_gain,
 )
+from speccli.engine.policy import DraftLengthPolicy
 from speccli.engine.tree import ROOT, TokenTree, TreeShape
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, encode
 
@@ -348,7 +349,7 @@ def test_no_pass_is_larger_than_the_largest_measured(pairs, tokenizer):
     assert any(not e.tree and e.drafted > 4 for e in steps)  # a long guess, no window
 
 
-class LookupStub:
+class LookupStub(DraftLengthPolicy):
     """Prompt lookup's k auto as the gate sees it: a fixed draft length and expectation,
     measured costs, and a record of what it learned."""
 

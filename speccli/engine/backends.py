@@ -13,6 +13,10 @@ import torch
 class CausalLM(Protocol):
     """A causal language model with a KV cache, at batch size 1."""
 
+    # Seconds of one-time setup spent inside passes so far (a CUDA graph captured on first
+    # use): the decoder keeps them out of the steps' timings.
+    setup_seconds: float
+
     @property
     def vocab_size(self) -> int: ...
 
@@ -99,6 +103,8 @@ def _output_size(model: torch.nn.Module) -> int:
 class TransformersLM:
     """What the transformers backends share: the model in eval mode, its output size, how
     its forward names the cache, its device, and the ids the cache holds."""
+
+    setup_seconds = 0.0  # eager passes: no one-time setup (StaticCausalLM counts its graph captures)
 
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
         self.model = model.eval()

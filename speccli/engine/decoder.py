@@ -19,7 +19,6 @@ from speccli.engine.backends import CausalLM, common_prefix_length
 from speccli.engine.calibration import CostProfile, PassTimes
 from speccli.engine.coupling import PositionNoise, perturbed, verify_coupled
 from speccli.engine.drafters import LOOKUP_ACCEPTANCE, Draft, Drafter
-from speccli.engine.head_drafters import FeatureDrafter
 from speccli.engine.events import (
     Event,
     FinishEvent,
@@ -39,9 +38,6 @@ from speccli.engine.policy import (
 from speccli.engine.sampling import Verdict, verify_greedy, verify_sampled, warp
 from speccli.engine.text import Detokenizer, OutputText
 from speccli.engine.context import check_fits
-from speccli.engine.lookahead import DEFAULT_SHAPE as DEFAULT_LOOKAHEAD
-from speccli.engine.lookahead import LookaheadDrafter, LookaheadGate
-from speccli.engine.lookahead import choose_shape as choose_lookahead_shape
 from speccli.engine.tree import TreeShape, kept_offsets, verify_tree_greedy, verify_tree_sampled
 
 
@@ -141,7 +137,7 @@ class SpeculativeDecoder:
         # draft's acceptance carries over from one prompt (or chat turn) to the next.
         self._adaptive: AdaptiveDraftLength | DraftLengthByMatch | None = None
         self._adaptive_from: tuple = ()
-        if self._feature_drafter() is not None:
+        if self._needs_hidden:
             target.capture_hidden()
 
     @property
@@ -153,9 +149,10 @@ class SpeculativeDecoder:
         self._costs = costs
         self.pass_times = PassTimes()
 
-    def _feature_drafter(self) -> FeatureDrafter | None:
-        """The drafter, when it drafts from the target's features (Medusa, EAGLE)."""
-        return self.drafter if getattr(self.drafter, "reads_features", False) else None
+    @property
+    def _needs_hidden(self) -> bool:
+        """Whether the drafter drafts from the target's features (Medusa, EAGLE)."""
+        return self.drafter is not None and self.drafter.needs_hidden
 
     def generate(
         self,
@@ -181,14 +178,13 @@ class SpeculativeDecoder:
         max_length = self.target.max_length
         check_fits(len(prompt_ids), max_length)
         policy = policy or self._policy_for(spec)
-        if hasattr(policy, "begin"):
-            policy.begin()  # the first step drafts the answer's first token (AdaptiveDraftLength)
+        policy.begin()
         started = time.perf_counter()
         context = list(prompt_ids)
         reused = self._prefill(context)
         if self.drafter is not None:
             self.drafter.start(context)
-        if self._feature_drafter() is not None and reused < len(context) - 1:
+        if self._needs_hidden and reused < len(context) - 1:
             self.drafter.observe_features(reused, self.target.last_hidden)
         yield PrefillEvent(len(context), reused, time.perf_counter() - started)
 
@@ -200,33 +196,24 @@ class SpeculativeDecoder:
             room = spec.max_new_tokens - emitted - 1
             if max_length is not None:
                 room = min(room, max_length - len(context))
-            if hasattr(policy, "expect") and hasattr(self.drafter, "match_length"):
-                policy.expect(self.drafter.match_length(context))
-            if hasattr(policy, "offer"):
+            if self.drafter is not None:
+                if self.drafter.keyed_by_match:
+                    policy.expect(self.drafter.match_length(context))
                 policy.offer(self.drafter.pool_candidates(context))
             k = max(0, min(policy.next_k(), room))
 
             # The output position of the next token: the coupled rule's noise is chosen by it.
             next_position = len(context) - len(prompt_ids)
             step += 1
-            tree_policy = policy
-            if getattr(self.drafter, "verifies_trees", False):
-                # Lookahead's steps are its own trees; those its gate holds back are prompt
+            trees = spec.tree
+            if self.drafter is not None and self.drafter.always_trees:
+                # Lookahead's steps are its own trees; those its policy holds back are prompt
                 # lookup's, as `--draft ngram` drafts them: chains, or trees with --tree.
-                lookahead = getattr(policy, "lookahead_step", True)
-                self.drafter.hold(
-                    not lookahead,
-                    getattr(policy, "guess_length", None),
-                    pool=getattr(policy, "pool_step", True),
-                    window=getattr(policy, "window_step", True),
-                )
-                trees = lookahead or spec.tree
-                if not lookahead:
-                    tree_policy = policy.meanwhile
-            else:
-                trees = spec.tree
-            if k > 0 and trees and hasattr(self.drafter, "propose_tree"):
-                outcome = self._tree_step(context, k, tree_policy, sampling, generator, noise, next_position, step)
+                plan = policy.plan()
+                self.drafter.plan_step(plan)
+                trees = plan.lookahead or spec.tree
+            if k > 0 and trees and self.drafter is not None and self.drafter.drafts_trees:
+                outcome = self._tree_step(context, k, policy.tree_policy(), sampling, generator, noise, next_position, step)
             else:
                 outcome = self._chain_step(context, k, sampling, generator, noise, next_position, step)
             step_event = outcome.event
@@ -272,26 +259,8 @@ class SpeculativeDecoder:
     def _policy_for(self, spec: SpecConfig) -> DraftLengthPolicy:
         if self.drafter is None:
             return FixedDraftLength(0)
-        if isinstance(self.drafter, LookaheadDrafter):
-            # Its shape is chosen from the measured costs (k auto) or from k (the n-gram's
-            # continuation length); no shape: plain decoding with k 0, prompt lookup's steps with k auto.
-            if isinstance(spec.k, int):
-                shape = replace(DEFAULT_LOOKAHEAD, ngram=spec.k + 1) if spec.k > 0 else None
-                self.drafter.configure(shape)
-                return FixedDraftLength(shape.ngram - 1 if shape else 0)
-            measured = self.costs.verify_seconds if self.costs else None
-            shape = choose_lookahead_shape(measured)
-            self.drafter.configure(shape)
-            # Where lookahead steps do not pay, prompt lookup's k auto drafts (the text's own
-            # n-grams, as `--draft ngram`), so lookahead is never below prompt lookup.
-            lookup = self._adaptive_policy(spec)
-            if shape is None:
-                return lookup
-            # k auto adds the window and the pool to prompt lookup's steps where they pay.
-            return LookaheadGate(shape, lookup, measured)
-        if isinstance(spec.k, int):
-            return FixedDraftLength(spec.k)
-        return self._adaptive_policy(spec)
+        measured = self.costs.verify_seconds if self.costs else None
+        return self.drafter.policy(spec.k, measured, lambda: self._adaptive_policy(spec))
 
     def _adaptive_policy(self, spec: SpecConfig) -> AdaptiveDraftLength | DraftLengthByMatch:
         """k auto's policy, kept across generations while the costs and the prior it started from hold."""
@@ -306,7 +275,7 @@ class SpeculativeDecoder:
             max_k = spec.max_k
             if self.costs is not None:
                 max_k = max(1, min(max_k, max(self.costs.verify_seconds) - 1))
-            if hasattr(self.drafter, "match_length"):
+            if self.drafter.keyed_by_match:
                 # Prompt lookup: acceptance kept by the length of the n-gram matched.
                 self._adaptive = DraftLengthByMatch(lambda match: self._lookup_policy(max_k, match))
             else:
@@ -350,7 +319,7 @@ class SpeculativeDecoder:
         verify_started = self._clock()
         verdict = self._verify(context[-1], draft, sampling, generator, noise, next_position)
         self._settle(len(context) + verdict.accepted)
-        if self._feature_drafter() is not None:
+        if self._needs_hidden:
             self.drafter.observe_features(len(context) - 1, self.target.last_hidden[: verdict.accepted + 1])
         tokens = draft.tokens[: verdict.accepted] + [verdict.next_token]
         return StepOutcome(
@@ -370,16 +339,15 @@ class SpeculativeDecoder:
         """Seconds on a clock that stands still during one-time work inside the models'
         passes (a CUDA graph captured on first use): the steps' timings teach k auto what a
         pass costs, and a capture is not part of that."""
-        setup = getattr(self.target, "setup_seconds", 0.0)
-        draft_model = getattr(self.drafter, "model", None)
-        if draft_model is not None:
-            setup += getattr(draft_model, "setup_seconds", 0.0)
+        setup = self.target.setup_seconds
+        if self.drafter is not None and self.drafter.draft_model is not None:
+            setup += self.drafter.draft_model.setup_seconds
         return time.perf_counter() - setup
 
     def _catch_up(self, context: list[int], k: int) -> float:
         """Before a step that drafts: let a draft model read what it has not (see
         ModelDrafter.catch_up). Returns the seconds it took."""
-        if k <= 0 or not hasattr(self.drafter, "catch_up"):
+        if k <= 0 or self.drafter is None or self.drafter.draft_model is None:
             return 0.0
         started = self._clock()
         self.drafter.catch_up(context)
@@ -412,7 +380,7 @@ class SpeculativeDecoder:
         fed = [context[-1], *tree.tokens]
         positions = [cached + d for d in depths]
         visible = tree.visibility()
-        branch = self.drafter.branch(context) if hasattr(self.drafter, "branch") else None
+        branch = self.drafter.branch(context)
         if branch is not None and self._branch_fits(cached, len(fed) + len(branch)):
             # Lookahead decoding's Jacobi window rides along: it sees the pending token and
             # itself, the tree does not see it, and none of it stays in the cache.
@@ -434,14 +402,11 @@ class SpeculativeDecoder:
             verdict = verify_tree_sampled(warp(logits, sampling), tree, generator)
         kept = kept_offsets(verdict.path)
         self.target.keep(cached, kept)
-        if self._feature_drafter() is not None:
+        if self._needs_hidden:
             self.drafter.observe_features(len(context) - 1, self.target.last_hidden[kept])
-        if hasattr(self.drafter, "settle_tree"):
-            self.drafter.settle_tree(verdict.path)
-        else:
-            self.drafter.rollback(len(context) + len(verdict.path))
+        self.drafter.settle_tree(verdict.path, len(context) + len(verdict.path))
         tokens = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
-        guess = getattr(self.drafter, "guess", [])  # lookahead's: prompt lookup's guess in the tree
+        guess = self.drafter.guess  # lookahead's: prompt lookup's guess in the tree
         last = Provenance.RESAMPLED if verdict.resampled else Provenance.BONUS
         if not tree:
             last = Provenance.TARGET
@@ -476,7 +441,7 @@ class SpeculativeDecoder:
     def _tree_shape(self, k: int, policy: DraftLengthPolicy) -> TreeShape:
         """How large a tree may grow: k deep, with as many nodes as the measured costs
         say pay (up to the largest pass measured, and at least DEFAULT_TREE_NODES)."""
-        costs = getattr(policy, "costs", None)
+        costs = policy.costs
         if costs is not None and costs.verify:
             # Unmeasured sizes are guessed optimistically, so that they get tried and measured.
             largest = max(max(costs.verify), k + 1, DEFAULT_TREE_NODES + 1)
@@ -503,7 +468,7 @@ class SpeculativeDecoder:
         previous generation left there. Returns the number of tokens reused."""
         settled = context[:-1]
         reused = common_prefix_length(self.target.cached_tokens, settled)
-        if self._feature_drafter() is not None:
+        if self._needs_hidden:
             # Features are only computed by a pass: feed again what the drafter lacks.
             reused = min(reused, self.drafter.features_from(context))
         self.target.rollback(reused)

@@ -8,16 +8,20 @@ the verification rule treats as a one-hot q).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from speccli.config import SamplingConfig
 from speccli.engine.backends import CausalLM, common_prefix_length
 from speccli.engine.coupling import Noise, gumbel_argmax
+from speccli.engine.policy import DraftLengthPolicy, FixedDraftLength, StepPlan
 from speccli.engine.sampling import sample, warp
 from speccli.engine.tree import TokenTree, TreeShape
 from speccli.engine.tree_drafters import GrownTree, grow_model_tree, trie
+
+if TYPE_CHECKING:  # pragma: no cover
+    from speccli.engine.lookahead import Branch
 
 # Earlier occurrences of an n-gram prompt lookup remembers (the latest ones): each can
 # offer a branch of a tree.
@@ -33,12 +37,36 @@ class Draft:
         return len(self.tokens)
 
 
-class Drafter(Protocol):
-    name: str
+class Drafter:
+    """Where guesses come from: everything the decoder may ask of a drafter.
+
+    Every drafter implements `start`, `propose` and `rollback`. What else it can do it
+    declares in the capability attributes below; the methods that go with a capability have
+    defaults that do nothing, which is right for a drafter without it. The decoder calls
+    the methods its step needs, without asking what the drafter is.
+    """
+
+    name: str = "drafter"
+    # A draft model of its own: it catches up on the context before drafting (timed apart),
+    # and one-time setup inside its passes (a CUDA graph capture) is kept out of timings.
+    draft_model: CausalLM | None = None
+    # Drafts from the target's hidden states (Medusa, EAGLE): the decoder makes the target
+    # keep them and hands them over (`features_from`, `observe_features`).
+    needs_hidden: bool = False
+    # Can propose a token tree (`propose_tree`), for `--tree`.
+    drafts_trees: bool = False
+    # Drafts what followed an earlier occurrence of the context's last n-gram: k auto keeps
+    # acceptance apart by the length matched (`match_length`).
+    keyed_by_match: bool = False
+    # Every drafting step is a tree step of its own (lookahead, with a shape): the policy
+    # plans each (`plan_step`), and a branch may ride in the pass (`branch`, `advance`).
+    always_trees: bool = False
+    # Prompt lookup's guess inside the last tree (lookahead), to count what it alone kept.
+    guess: Sequence[int] = ()
 
     def start(self, context: Sequence[int]) -> None:
         """A new generation begins from `context` (state from an earlier one may be reused)."""
-        ...
+        raise NotImplementedError
 
     def propose(
         self,
@@ -54,11 +82,61 @@ class Drafter(Protocol):
         its i-th token as argmax(log q + noise(i)) instead of from `generator`: the noise
         the target's token at that position is drawn with, so the two agree as often as
         they can. A deterministic drafter ignores it."""
-        ...
+        raise NotImplementedError
 
     def rollback(self, length: int) -> None:
         """Only context[:length] is settled; forget anything drafted past it."""
-        ...
+        raise NotImplementedError
+
+    def policy(
+        self, k: int | str, measured: dict[int, float] | None, adaptive: Callable[[], DraftLengthPolicy]
+    ) -> DraftLengthPolicy:
+        """The draft-length policy for a generation with draft length `k` (a number, or
+        "auto": `adaptive` builds k auto's), given the measured pass costs (or None)."""
+        return FixedDraftLength(k) if isinstance(k, int) else adaptive()
+
+    def catch_up(self, context: Sequence[int]) -> None:
+        """Before a drafting step: read what of the context the drafter has not read."""
+
+    def propose_tree(
+        self,
+        context: Sequence[int],
+        shape: TreeShape,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        noise: Noise | None = None,
+    ) -> TokenTree:
+        """A tree of candidates within `shape` (drafters with `drafts_trees`)."""
+        raise NotImplementedError(f"the {self.name} drafter does not draft trees")
+
+    def settle_tree(self, path: Sequence[int], settled: int) -> None:
+        """The target accepted `path` (node indices) of the last tree, and context[:settled] is settled."""
+        self.rollback(settled)
+
+    def match_length(self, context: Sequence[int]) -> int:
+        """The length of the n-gram the coming draft continues (drafters `keyed_by_match`)."""
+        return 0
+
+    def features_from(self, context: Sequence[int]) -> int:
+        """The first position of `context` whose feature this drafter lacks (`needs_hidden`)."""
+        return len(context)
+
+    def observe_features(self, start: int, features: torch.Tensor) -> None:
+        """features [n, hidden]: the target's, at positions start .. start + n - 1, all settled."""
+
+    def plan_step(self, plan: StepPlan) -> None:
+        """The form the policy chose for the coming step (drafters with `always_trees`)."""
+
+    def pool_candidates(self, context: Sequence[int]) -> int:
+        """How many pooled guesses the coming step could offer (lookahead's n-grams)."""
+        return 0
+
+    def branch(self, context: Sequence[int]) -> Branch | None:
+        """Tokens that ride in the coming tree pass without being drafts (lookahead's window)."""
+        return None
+
+    def advance(self, guesses: Sequence[int]) -> None:
+        """The target's argmax at every token of the branch that rode in the last pass."""
 
 
 def draw(
@@ -98,7 +176,7 @@ def align_vocab(logits: torch.Tensor, vocab_size: int, usable: int | None = None
 DEFAULT_STOP_CONFIDENCE = 0.4
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """A smaller causal LM of the same tokenizer drafts autoregressively from its own cache.
 
     Only the first ``shared_vocab`` ids are tokens to both models (default: every id both
@@ -107,6 +185,7 @@ class ModelDrafter:
     """
 
     name = "model"
+    drafts_trees = True
 
     def __init__(
         self,
@@ -130,6 +209,10 @@ class ModelDrafter:
         # the tokens after it would rarely survive, and each costs a draft pass.
         self.stop_confidence = stop_confidence
         self._grown: GrownTree | None = None
+
+    @property
+    def draft_model(self) -> CausalLM:
+        return self.model
 
     def readable(self, ids: Sequence[int]) -> list[int]:
         """The ids as the draft is fed them (an id it may not know becomes `substitute_id`)."""
@@ -206,7 +289,7 @@ class ModelDrafter:
         self._grown = grow_model_tree(self, context, shape, sampling, generator, noise)
         return self._grown.tree
 
-    def settle_tree(self, path: Sequence[int]) -> None:
+    def settle_tree(self, path: Sequence[int], settled: int) -> None:
         """The target accepted `path` of the last tree: keep what the draft was fed of it
         (a prefix: the expanded nodes), forget the rest, so that the next step does not
         feed the draft those tokens again."""
@@ -237,7 +320,7 @@ class ModelDrafter:
 LOOKUP_ACCEPTANCE: dict[int, tuple[float, ...]] = {1: (0.25, 0.4), 2: (0.4, 0.5), 3: (0.8, 0.9, 0.95)}
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """Prompt lookup decoding: find the longest n-gram (max_ngram down to min_ngram) that
     ends the context and occurred earlier in it; the tokens that followed that earlier
     occurrence are the draft. Costs no model pass; q is one-hot.
@@ -247,6 +330,8 @@ class PromptLookupDrafter:
     """
 
     name = "ngram"
+    drafts_trees = True
+    keyed_by_match = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:

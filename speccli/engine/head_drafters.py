@@ -13,34 +13,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
 from speccli.config import SamplingConfig
 from speccli.engine.backends import common_prefix_length
 from speccli.engine.coupling import Noise
-from speccli.engine.drafters import Draft, draw
+from speccli.engine.drafters import Draft, Drafter, draw
 from speccli.engine.tree import ROOT, TokenTree, TreeShape
-from speccli.engine.tree_drafters import feed_window, grow_tree
+from speccli.engine.tree_drafters import TreeSource, feed_window, grow_tree
 from speccli.heads.eagle import EagleHead, additive_mask
 from speccli.heads.medusa import MedusaHeads
 from speccli.heads.vocab import DraftVocab
-
-
-class FeatureDrafter(Protocol):
-    """What the decoder calls on a drafter that reads the target's features, besides the
-    Drafter protocol."""
-
-    reads_features: bool
-
-    def features_from(self, context: Sequence[int]) -> int:
-        """The first position of `context` whose feature this drafter lacks."""
-        ...
-
-    def observe_features(self, start: int, features: torch.Tensor) -> None:
-        """features [n, hidden]: the target's, at positions start .. start + n - 1, all settled."""
-        ...
 
 
 class HeadPasses:
@@ -57,12 +42,13 @@ class HeadPasses:
             self.forward_seconds += time.perf_counter() - started
 
 
-class MedusaDrafter(HeadPasses):
+class MedusaDrafter(HeadPasses, Drafter):
     """Head i of a Medusa set proposes the token i + 1 places past the pending one, from the
     feature of the last settled position: one small pass for the whole draft."""
 
     name = "medusa"
-    reads_features = True
+    needs_hidden = True
+    drafts_trees = True
 
     def __init__(self, heads: MedusaHeads, vocab: DraftVocab, dtype: torch.dtype | None = None) -> None:
         self.heads = heads.eval()
@@ -137,7 +123,7 @@ class MedusaDrafter(HeadPasses):
         self._position = -1
 
 
-class _FixedRows:
+class _FixedRows(TreeSource):
     """Medusa's tree source: depth d's children come from head d + 1, whatever the parent."""
 
     expands_free = True
@@ -152,14 +138,15 @@ class _FixedRows:
         return [self.rows[depth]] * len(nodes)
 
 
-class EagleDrafter(HeadPasses):
+class EagleDrafter(HeadPasses, Drafter):
     """The EAGLE head drafts token by token: fed (feature of p, embedding of token p + 1) at
     position p it predicts the feature of p + 1, whose logits (through the target's output
     rows for the draft vocabulary) give the token after it. Real features fill its cache as
     the target settles them; drafted entries are dropped at the next step."""
 
     name = "eagle"
-    reads_features = True
+    needs_hidden = True
+    drafts_trees = True
 
     def __init__(
         self,
@@ -324,7 +311,7 @@ class EagleDrafter(HeadPasses):
             self._pending = self._pending[: max(0, length - self._real)]
 
 
-class _EagleSource:
+class _EagleSource(TreeSource):
     """EAGLE's tree source: expanding a node feeds the head (its parent's predicted
     feature, its own token) at its position, seeing the real entries and its ancestors."""
 

@@ -186,6 +186,8 @@ class _TreeEntry:
 class LlamaCppLM:
     """A llama.cpp context over loaded weights, at batch size 1 (see the module's doc)."""
 
+    setup_seconds = 0.0  # no one-time setup inside passes
+
     def __init__(
         self,
         weights: LlamaCppWeights,

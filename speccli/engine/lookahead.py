@@ -28,16 +28,16 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from speccli.config import SamplingConfig
 from speccli.engine.backends import common_prefix_length
 from speccli.engine.coupling import Noise
-from speccli.engine.drafters import PromptLookupDrafter
+from speccli.engine.drafters import Drafter, PromptLookupDrafter
 from speccli.engine.events import StepEvent
-from speccli.engine.policy import AdaptiveDraftLength, DraftLengthByMatch
+from speccli.engine.policy import AdaptiveDraftLength, DraftLengthByMatch, DraftLengthPolicy, FixedDraftLength, StepPlan
 from speccli.engine.tree import TokenTree, TreeShape
 from speccli.engine.tree_drafters import trie
 
@@ -153,11 +153,13 @@ class Branch:
         return visible
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(Drafter):
     """Lookahead decoding's guesses: a Jacobi window advanced inside each verification
     pass, and a pool of n-grams verified as a tree."""
 
     name = "lookahead"
+    drafts_trees = True
+    keyed_by_match = True  # the steps k auto gives to prompt lookup
 
     def __init__(self, shape: LookaheadShape | None = DEFAULT_SHAPE) -> None:
         self.shape = shape
@@ -174,23 +176,42 @@ class LookaheadDrafter:
         self.guess: list[int] = []  # that guess, in the last lookahead step's tree
 
     @property
-    def verifies_trees(self) -> bool:
+    def always_trees(self) -> bool:
         """With a shape, a lookahead step verifies a tree (the pool's n-grams and prompt
         lookup's guess) and carries the lookahead branch; without one, steps are prompt
         lookup's (`propose`, `propose_tree`)."""
         return self.shape is not None
 
-    def hold(self, held: bool, guess_length: int | None = None, pool: bool = True, window: bool = True) -> None:
+    def policy(
+        self, k: int | str, measured: dict[int, float] | None, adaptive: Callable[[], DraftLengthPolicy]
+    ) -> DraftLengthPolicy:
+        """The shape comes from the measured costs (k auto) or from k (the n-gram's
+        continuation length); no shape: plain decoding with k 0, prompt lookup's steps with
+        k auto (`adaptive`: prompt lookup's k auto, as `--draft ngram` drafts), so that
+        lookahead is never below prompt lookup. Where a shape pays, k auto adds the window
+        and the pool to prompt lookup's steps where they pay (LookaheadGate)."""
+        if isinstance(k, int):
+            shape = replace(DEFAULT_SHAPE, ngram=k + 1) if k > 0 else None
+            self.configure(shape)
+            return FixedDraftLength(shape.ngram - 1 if shape else 0)
+        shape = choose_shape(measured)
+        self.configure(shape)
+        lookup = adaptive()
+        if shape is None:
+            return lookup
+        return LookaheadGate(shape, lookup, measured)
+
+    def plan_step(self, plan: StepPlan) -> None:
         """Whether the next step is prompt lookup's (`LookaheadGate` holds lookahead back):
         its tree, with `--tree`, is prompt lookup's, and no window rides along. For a
-        lookahead step, `guess_length` is how long a guess prompt lookup's k auto drafts
-        (None: the guess's length follows what came true, see `_lookup_guess`), `pool`
-        whether its tree offers the pool's n-grams beside the guess and `window` whether
-        the window rides along."""
-        self.held = held
-        self.guess_length = guess_length
-        self.pool_verified = pool
-        self.window_rides = window
+        lookahead step, `plan.guess_length` is how long a guess prompt lookup's k auto
+        drafts (None: the guess's length follows what came true, see `_lookup_guess`),
+        `plan.pool` whether its tree offers the pool's n-grams beside the guess and
+        `plan.window` whether the window rides along."""
+        self.held = not plan.lookahead
+        self.guess_length = plan.guess_length
+        self.pool_verified = plan.pool
+        self.window_rides = plan.window
 
     def pool_candidates(self, context: Sequence[int]) -> int:
         """How many of the pool's n-grams a lookahead step would offer now: those that
@@ -332,7 +353,7 @@ class LookaheadDrafter:
             self._forget()
 
 
-class LookaheadGate:
+class LookaheadGate(DraftLengthPolicy):
     """k auto for lookahead decoding: prompt lookup's k auto, with the lookahead branch and
     the pool's n-grams beside its guess in the steps where they pay.
 
@@ -498,8 +519,14 @@ class LookaheadGate:
 
     def expect(self, match: int) -> None:
         """The length of prompt lookup's match for the coming step, for the `meanwhile` policy."""
-        if hasattr(self.meanwhile, "expect"):
-            self.meanwhile.expect(match)
+        self.meanwhile.expect(match)
+
+    def plan(self) -> StepPlan:
+        return StepPlan(self.lookahead_step, self.guess_length, pool=self.pool_step, window=self.window_step)
+
+    def tree_policy(self) -> DraftLengthPolicy:
+        """Prompt lookup's steps are sized by its own k auto."""
+        return self if self.lookahead_step else self.meanwhile
 
     def observe(self, step: StepEvent) -> None:
         if not self.lookahead_step or not step.tree:

@@ -2,23 +2,58 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
 
 from speccli.engine.events import StepEvent
 
 
-class DraftLengthPolicy(Protocol):
+@dataclass(frozen=True)
+class StepPlan:
+    """What the policy decided for the coming step beyond its length, for a drafter whose
+    steps take more than one form (lookahead: its own tree step, or prompt lookup's)."""
+
+    lookahead: bool = True  # lookahead's own step (False: prompt lookup's, as `--draft ngram`)
+    guess_length: int | None = None  # prompt lookup's guess in a lookahead step (None: the drafter's own rule)
+    pool: bool = True  # the lookahead step's tree offers the pool's n-grams
+    window: bool = True  # the lookahead window rides along
+
+
+class DraftLengthPolicy:
+    """How many tokens to draft each step: `next_k` before the step, `observe` after it.
+
+    The rest are hooks with defaults that a policy overrides where it uses them: the
+    decoder calls every one of them, each step, whatever the policy."""
+
+    costs: StepCosts | None = None  # measured step costs (k auto's), which size token trees
+
+    def begin(self) -> None:
+        """A generation begins; its first step drafts the answer's first token."""
+
+    def expect(self, match: int) -> None:
+        """The length of prompt lookup's match for the coming step (0: none)."""
+
+    def offer(self, candidates: int) -> None:
+        """How many of lookahead's pooled n-grams the coming step could offer."""
+
     def next_k(self) -> int:
         """The number of tokens to draft in the coming step."""
-        ...
+        raise NotImplementedError
 
     def observe(self, step: StepEvent) -> None:
         """Learn from the step just verified."""
-        ...
+        raise NotImplementedError
+
+    def plan(self) -> StepPlan:
+        """The form of the coming step (after `next_k`)."""
+        return StepPlan()
+
+    def tree_policy(self) -> DraftLengthPolicy:
+        """The policy whose costs size the coming step's tree."""
+        return self
 
 
-class FixedDraftLength:
+class FixedDraftLength(DraftLengthPolicy):
     def __init__(self, k: int) -> None:
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
@@ -147,7 +182,30 @@ class AcceptancePrior:
         return dict(self.by_match).get(match)
 
 
-class AdaptiveDraftLength:
+@dataclass(frozen=True)
+class AdaptiveSettings:
+    """What AdaptiveDraftLength starts from and how it learns (see the class for each)."""
+
+    max_k: int = 16
+    first_k: int = 4
+    prior_acceptance: float | Sequence[float] = 0.7
+    prior_weight: float = 2.0
+    forgetting: float = 0.97
+    probe_every: int = 16
+    probe_budget: float = 0.05
+    max_backoff: int = 2
+    prior_steps: float = 0.0
+    probe_hope: float = 0.9
+    probe_min_gain: float = 1.1
+    opening_prior: float | None = None
+    opening_prior_steps: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+
+
+class AdaptiveDraftLength(DraftLengthPolicy):
     """Each step, the k in 0..max_k that maximises expected tokens per second.
 
     Acceptance is tracked per draft position (the chance that position i survives given
@@ -193,49 +251,34 @@ class AdaptiveDraftLength:
     where the opening estimate starts, and what it learned is left to the next one.
     """
 
-    def __init__(
-        self,
-        max_k: int = 16,
-        first_k: int = 4,
-        prior_acceptance: float | Sequence[float] = 0.7,
-        prior_weight: float = 2.0,
-        forgetting: float = 0.97,
-        probe_every: int = 16,
-        probe_budget: float = 0.05,
-        max_backoff: int = 2,
-        prior_steps: float = 0.0,
-        probe_hope: float = 0.9,
-        probe_min_gain: float = 1.1,
-        opening_prior: float | None = None,
-        opening_prior_steps: float = 0.0,
-    ) -> None:
-        if max_k < 1:
-            raise ValueError(f"max_k must be >= 1, got {max_k}")
-        self.max_k = max_k
-        self.first_k = min(first_k, max_k)
-        self.prior = _per_position(prior_acceptance, max_k)
-        self.prior_weight = prior_weight
-        self.forgetting = forgetting
-        self.probe_every = probe_every
-        self.probe_budget = probe_budget
-        self.max_backoff = max_backoff
-        self.prior_steps = prior_steps
-        self.probe_hope = probe_hope
-        self.probe_min_gain = probe_min_gain
+    def __init__(self, settings: AdaptiveSettings | None = None, **overrides) -> None:
+        s = replace(settings or AdaptiveSettings(), **overrides)
+        self.settings = s
+        self.max_k = s.max_k
+        self.first_k = min(s.first_k, s.max_k)
+        self.prior = _per_position(s.prior_acceptance, s.max_k)
+        self.prior_weight = s.prior_weight
+        self.forgetting = s.forgetting
+        self.probe_every = s.probe_every
+        self.probe_budget = s.probe_budget
+        self.max_backoff = s.max_backoff
+        self.prior_steps = s.prior_steps
+        self.probe_hope = s.probe_hope
+        self.probe_min_gain = s.probe_min_gain
         self.costs = StepCosts()
-        self._kept = [0.0] * max_k
-        self._tried = [0.0] * max_k
+        self._kept = [0.0] * s.max_k
+        self._tried = [0.0] * s.max_k
         # The whole session's counts, unforgotten: what it leaves for the next one.
-        self._session_kept = [0] * max_k
-        self._session_tried = [0] * max_k
+        self._session_kept = [0] * s.max_k
+        self._session_tried = [0] * s.max_k
         self._steps_without_drafting = 0
         self._failed_probes = 0
         self._probing = False
         self._opening = False
         self._opening_kept = 0
         self._opening_tried = 0
-        self.opening_prior = opening_prior
-        self.opening_prior_steps = opening_prior_steps if opening_prior is not None else 0.0
+        self.opening_prior = s.opening_prior
+        self.opening_prior_steps = s.opening_prior_steps if s.opening_prior is not None else 0.0
 
     def begin(self) -> None:
         """A generation starts: the coming step is its opening (see the class)."""
@@ -409,7 +452,7 @@ class AdaptiveDraftLength:
         return learned, old + tried[0]
 
 
-class DraftLengthByMatch:
+class DraftLengthByMatch(DraftLengthPolicy):
     """k auto for prompt lookup, with acceptance kept apart by the length of the n-gram
     matched: a draft after a 3-token match comes true far more often than one after a
     1-token match (see speccli.engine.drafters.LOOKUP_ACCEPTANCE). One acceptance for all

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -100,18 +100,22 @@ def _children_counts(
     return counts
 
 
-class TreeSource(Protocol):
+class TreeSource:
     """Where a grown tree's distributions come from: the root's children's logits, and
     those of the children of nodes chosen for expansion (over the target's vocabulary)."""
 
+    # Expanding a node costs nothing beyond the root's pass (heads that draft every depth at
+    # once): no expansion floor (`expand_floor`).
+    expands_free: bool = False
+
     def root_logits(self, context: Sequence[int]) -> torch.Tensor:
         """[V_target] logits of the token after `context`."""
-        ...
+        raise NotImplementedError
 
     def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int) -> list[torch.Tensor]:
         """Logits [V_target] of the children of each of `nodes` (all at `depth`; `tokens`
         and `parents` describe every node grown so far)."""
-        ...
+        raise NotImplementedError
 
 
 def feed_window(window: dict[int, int], nodes: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
@@ -129,7 +133,7 @@ def feed_window(window: dict[int, int], nodes: Sequence[int], parents: Sequence[
     return visible
 
 
-class DraftModelSource:
+class DraftModelSource(TreeSource):
     """A draft model's distributions: the nodes chosen at each depth are fed together in
     one tree pass over the draft's own cache, after the whole context."""
 
@@ -191,7 +195,7 @@ def grow_tree(
     sampled = not sampling.greedy and noise is None
     row = source.root_logits(context)
     # A source whose expansions cost no pass (Medusa's heads) expands the BEAM best nodes.
-    floor = 0.0 if getattr(source, "expands_free", False) else expand_floor(shape)
+    floor = 0.0 if source.expands_free else expand_floor(shape)
     tokens: list[int] = []
     parents: list[int] = []
     path_probs: list[float] = []
