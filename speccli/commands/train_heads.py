@@ -214,8 +214,10 @@ def answerer(target: LoadedModel) -> tuple[Answer, str, int]:
     chat = has_chat_template(target.tokenizer)  # a base model without one continues the request
     if gguf is not None:
         from speccli.engine.llamacpp_backend import LlamaCppLM, LlamaCppWeights
+        from speccli.engine.llamacpp_check import extra_buffers_verdict
 
-        lm = LlamaCppLM(LlamaCppWeights.load(gguf), n_ctx=ANSWER_CONTEXT)
+        weights = LlamaCppWeights.load(gguf, extra_buffers=extra_buffers_verdict(gguf).extra_buffers)
+        lm = LlamaCppLM(weights, n_ctx=ANSWER_CONTEXT)
         stop = set(target.eos_token_ids)
         encode = Generator.over(lm, target.tokenizer, list(stop), None, None).encode
 

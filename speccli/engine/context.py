@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from speccli.errors import UsageError
 
-
-class ContextOverflowError(UsageError, ValueError):
-    """A prompt that leaves no room in the model's context for a new token."""
+class ContextOverflowError(ValueError):
+    """A prompt that leaves no room in the model's context for a new token (the commands
+    tell the user, each in its own words)."""
 
     def __init__(self, prompt_tokens: int, context: int) -> None:
         super().__init__(f"the prompt is {prompt_tokens} tokens long and the model's context holds {context}")

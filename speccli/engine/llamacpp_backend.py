@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Collection, Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -130,18 +130,12 @@ class LlamaCppWeights:
         cls,
         path: Path | str,
         threads: int | None = None,
-        extra_buffers: bool | None = None,
-        say: Callable[[str], None] | None = None,
-        cache_dir: Path | None = None,
+        extra_buffers: bool = True,
     ) -> "LlamaCppWeights":
-        """Load `path`; `extra_buffers` None asks llamacpp_check whether this CPU runs the
-        repacked-weight kernels (`say` hears about a trial and a refusal)."""
+        """Load `path`; `extra_buffers`: repack the weights for this CPU's own kernels
+        (speccli.models.llamacpp_check tells whether they run here)."""
         lc = _backend()
         path = Path(path)
-        if extra_buffers is None:
-            from speccli.engine.llamacpp_check import extra_buffers_verdict
-
-            extra_buffers = extra_buffers_verdict(path, cache_dir, say).extra_buffers
         params = lc.llama_model_default_params()
         params.n_gpu_layers = 0
         params.use_extra_bufts = extra_buffers

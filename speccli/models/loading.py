@@ -771,11 +771,13 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
 
 def _load_llama_cpp(pending: PendingModel, say: Progress, started: float) -> LoadedModel:
     from speccli.engine.llamacpp_backend import LlamaCppError, LlamaCppWeights
+    from speccli.engine.llamacpp_check import extra_buffers_verdict
 
     path = pending.resolved.gguf_path
     say(f"loading {pending.name}: {pending.resolved.gguf_file} through llama.cpp on cpu (memory-mapped)")
     try:
-        weights = LlamaCppWeights.load(path, say=say)
+        extra_buffers = extra_buffers_verdict(path, None, say).extra_buffers
+        weights = LlamaCppWeights.load(path, extra_buffers=extra_buffers)
     except LlamaCppError as exc:
         raise ModelLoadError(
             f"cannot load {pending.name!r} ({pending.resolved.description}) through llama.cpp: {exc}",
