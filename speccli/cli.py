@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import signal
 import sys
@@ -164,7 +166,43 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messa
 TreeOpt = Annotated[bool, typer.Option("--tree", help="Draft a tree of candidates k deep instead of one chain: the draft model branches where it is unsure (ngram: several earlier continuations) and one target pass checks every branch; its size follows the measured pass costs. Pays where a pass over many tokens costs little more than one (bfloat16 on CPUs with bf16 units, GPUs).")]
 RecalibrateOpt = Annotated[bool, typer.Option("--recalibrate", help="Time target and draft passes again for --k auto instead of using the cached calibration for this model pair and device.")]
 
+# How the target and the draft are loaded: every generating command takes these, declared
+# here once (`with_load_options`), and gets them as one `load` dict of ModelOptions' fields.
+LOAD_OPTIONS: tuple[tuple[str, object, object], ...] = (
+    ("device", DeviceOpt, "auto"),
+    ("dtype", DtypeOpt, "auto"),
+    ("quant", QuantOpt, "auto"),
+    ("draft_device", DraftDeviceOpt, None),
+    ("draft_dtype", DraftDtypeOpt, None),
+    ("draft_quant", DraftQuantOpt, None),
+    ("trust_remote_code", TrustRemoteCodeOpt, False),
+    ("cpu_linear", CpuLinearOpt, "auto"),
+    ("cuda_graphs", CudaGraphsOpt, "auto"),
+    ("backend", BackendOpt, "auto"),
+)
+
+
+def with_load_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give `command` the LOAD_OPTIONS: Typer sees them in its signature (after the
+    command's own options); the command receives them as `load`."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "load"]
+    shared = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+        for name, annotation, default in LOAD_OPTIONS
+    ]
+
+    @functools.wraps(command)
+    def with_load(**kwargs) -> None:
+        load = {name: kwargs.pop(name) for name, _, _ in LOAD_OPTIONS}
+        return command(**kwargs, load=load)
+
+    with_load.__signature__ = signature.replace(parameters=[*own, *shared])
+    return with_load
+
+
 @app.command()
+@with_load_options
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="The prompt. Piped stdin, if any, comes first."),
     target: TargetOpt = None,
@@ -179,16 +217,7 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop when this text appears (repeatable); it is not printed."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (with --chat)."),
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    quant: QuantOpt = "auto",
-    draft_device: DraftDeviceOpt = None,
-    draft_dtype: DraftDtypeOpt = None,
-    draft_quant: DraftQuantOpt = None,
-    trust_remote_code: TrustRemoteCodeOpt = False,
-    cpu_linear: CpuLinearOpt = "auto",
-    cuda_graphs: CudaGraphsOpt = "auto",
-    backend: BackendOpt = "auto",
+    load: Optional[dict] = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, provenance, statistics) instead of the text."),
     stats: bool = typer.Option(False, "--stats", help="Print statistics to stderr when done."),
     recalibrate: RecalibrateOpt = False,
@@ -199,10 +228,7 @@ def generate(
     Exit codes: 0 done, 1 runtime failure, 2 bad usage or input, 130 interrupted, 141 stdout's reader closed it
     (`| head`).
     """
-    options = ModelOptions(
-        target or _default_target(), draft or _default_draft(), device, dtype, quant,
-        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear, cuda_graphs, backend,
-    )
+    options = ModelOptions(target or _default_target(), draft or _default_draft(), **load)
 
     def body() -> int:
         progress = stderr_progress(quiet)
@@ -241,6 +267,7 @@ def generate(
 
 
 @app.command(help=_chat_help())
+@with_load_options
 def chat(
     target: TargetOpt = None,
     draft: DraftOpt = None,
@@ -252,24 +279,12 @@ def chat(
     top_p: TopPOpt = 1.0,
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling: answer n (/regen included) uses seed + n, so a session replays exactly, whatever the draft or --k."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (/system changes it; /clear keeps it)."),
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    quant: QuantOpt = "auto",
-    draft_device: DraftDeviceOpt = None,
-    draft_dtype: DraftDtypeOpt = None,
-    draft_quant: DraftQuantOpt = None,
-    trust_remote_code: TrustRemoteCodeOpt = False,
-    cpu_linear: CpuLinearOpt = "auto",
-    cuda_graphs: CudaGraphsOpt = "auto",
-    backend: BackendOpt = "auto",
+    load: Optional[dict] = None,
     no_color: bool = typer.Option(False, "--no-color", help="No colours (also off when NO_COLOR is set or stdout is not a terminal)."),
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    options = ModelOptions(
-        target or _default_target(), draft or _default_draft(), device, dtype, quant,
-        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear, cuda_graphs, backend,
-    )
+    options = ModelOptions(target or _default_target(), draft or _default_draft(), **load)
 
     def body() -> int:
         progress = stderr_progress(quiet)
@@ -291,6 +306,7 @@ def chat(
 
 
 @app.command()
+@with_load_options
 def bench(
     prompts: str = typer.Argument(..., help="A .txt file (one prompt per line) or .jsonl ({\"prompt\": ...} or {\"messages\": [...]})."),
     target: TargetOpt = None,
@@ -308,16 +324,7 @@ def bench(
     output_format: str = typer.Option("table", "--format", "-f", help="table, json, csv or md."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report to this file instead of stdout."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of speed-up and acceptance per prompt and per k."),
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    quant: QuantOpt = "auto",
-    draft_device: DraftDeviceOpt = None,
-    draft_dtype: DraftDtypeOpt = None,
-    draft_quant: DraftQuantOpt = None,
-    trust_remote_code: TrustRemoteCodeOpt = False,
-    cpu_linear: CpuLinearOpt = "auto",
-    cuda_graphs: CudaGraphsOpt = "auto",
-    backend: BackendOpt = "auto",
+    load: Optional[dict] = None,
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -331,10 +338,7 @@ def bench(
     identical token for token, and any difference is a mismatch. The report goes to stdout,
     progress to stderr.
     """
-    options = ModelOptions(
-        target or _default_target(), draft or _default_draft(), device, dtype, quant,
-        draft_device, draft_dtype, draft_quant, trust_remote_code, cpu_linear, cuda_graphs, backend,
-    )
+    options = ModelOptions(target or _default_target(), draft or _default_draft(), **load)
 
     def body() -> int:
         from pathlib import Path
