@@ -57,19 +57,20 @@ from typing import Sequence
 
 import torch
 
-from speccli.commands.bench_prompts import encode_bench_prompt, load_prompts
-from speccli.commands.divergence import first_difference
+from speccli.api import Speculator
+from speccli.autok.costs import CostProfile, measure_costs
+from speccli.autok.store import describe
+from speccli.bench.divergence import first_difference
+from speccli.bench.prompts import encode_bench_prompt, load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.engine.calibration import CostProfile, measure_costs
-from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
-from speccli.engine.head_drafters import HeadPasses
-from speccli.engine.lookahead import LookaheadDrafter
-from speccli.generation.calibration import describe
-from speccli.generation.pipeline import backend_label, causal_lm, head_drafter, model_drafter
-from speccli.generation.stream import Generator
+from speccli.drafters.heads import HeadPasses
+from speccli.drafters.lookahead import LookaheadDrafter
+from speccli.drafters.model import ModelDrafter
+from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.models.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
 from speccli.models.onednn import set_cpu_linear
+from speccli.pipeline import backend_label, causal_lm, head_drafter, model_drafter
 from speccli.stats import speedup
 
 METHODS = ("hf-plain", "hf-assisted", "hf-assisted-int8", "hf-prompt-lookup", "specgen-draft", "specgen-ngram",
@@ -118,19 +119,19 @@ class Bench:
             log(f"calibration: {describe(costs)}")
             log("pass cost by tokens fed: " + ", ".join(
                 f"{fed}: {1000 * seconds:.0f} ms" for fed, seconds in sorted(costs.verify_seconds.items())))
-        draft_generator = Generator.over(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs)
+        draft_generator = Speculator.over(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs)
         self.generators = {
             "specgen-draft": draft_generator,
             # Prompt lookup costs no draft pass: the same verification costs, no draft cost.
-            "specgen-ngram": Generator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
+            "specgen-ngram": Speculator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
                                             CostProfile(costs.verify_seconds, None) if costs else None),
             "specgen-plain": draft_generator,  # streamed with plain=True: the target alone
             "specgen-plain-stock": draft_generator,
             # Their own generators, so that what k auto learns of trees stays apart from chains.
-            "specgen-tree": Generator.over(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs),
-            "specgen-ngram-tree": Generator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
+            "specgen-tree": Speculator.over(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs),
+            "specgen-ngram-tree": Speculator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
                                                  CostProfile(costs.verify_seconds, None) if costs else None),
-            "specgen-lookahead": Generator.over(target_lm, target.tokenizer, self.eos, LookaheadDrafter(),
+            "specgen-lookahead": Speculator.over(target_lm, target.tokenizer, self.eos, LookaheadDrafter(),
                                                 CostProfile(costs.verify_seconds, None) if costs else None),
         }
         # Heads trained with `specgen train` for this target (from the cache), when a method asks for them.
@@ -139,7 +140,7 @@ class Bench:
                 free = CostProfile(costs.verify_seconds, None) if costs else None
                 drafter = self.head_drafters.get(kind) or head_drafter(target, kind, progress=log)
                 self.head_drafters[kind] = drafter
-                self.generators[method] = Generator.over(target_lm, target.tokenizer, self.eos, drafter, free)
+                self.generators[method] = Speculator.over(target_lm, target.tokenizer, self.eos, drafter, free)
         self.costs = costs
         self.specgen_linear = target.linear
 

@@ -48,18 +48,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import DEFAULT_PROMPTS, fmt, log, round_robin_by_category, strip_eos  # noqa: E402
 
-from speccli.commands.bench_prompts import encode_bench_prompt, load_prompts  # noqa: E402
-from speccli.commands.divergence import first_difference  # noqa: E402
+from speccli.api import Speculator  # noqa: E402
+from speccli.autok.costs import CostProfile, measure_costs  # noqa: E402
+from speccli.autok.store import describe  # noqa: E402
+from speccli.backends.llamacpp import LlamaCppLM, llama_cpp_version  # noqa: E402
+from speccli.bench.divergence import first_difference  # noqa: E402
+from speccli.bench.prompts import encode_bench_prompt, load_prompts  # noqa: E402
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig  # noqa: E402
-from speccli.engine.calibration import CostProfile, measure_costs  # noqa: E402
-from speccli.engine.drafters import PromptLookupDrafter  # noqa: E402
-from speccli.engine.llamacpp_backend import LlamaCppLM, llama_cpp_version  # noqa: E402
-from speccli.engine.lookahead import LookaheadDrafter  # noqa: E402
-from speccli.generation.calibration import describe  # noqa: E402
-from speccli.generation.pipeline import model_drafter  # noqa: E402
-from speccli.generation.stream import Generator  # noqa: E402
+from speccli.drafters.lookahead import LookaheadDrafter  # noqa: E402
+from speccli.drafters.ngram import PromptLookupDrafter  # noqa: E402
 from speccli.models.compat import check_tokenizers_compatible  # noqa: E402
 from speccli.models.loading import cpu_name, load_model  # noqa: E402
+from speccli.pipeline import model_drafter  # noqa: E402
 from speccli.stats import speedup  # noqa: E402
 
 METHODS = ("llamacpp-greedy", "llamacpp-tg", "specgen-plain", "specgen-draft", "specgen-ngram",
@@ -80,11 +80,11 @@ class Bench:
         free = CostProfile(self.costs.verify_seconds, None)
         tokenizer = target.tokenizer
         self.generators = {
-            "specgen-plain": Generator.over(self.lm, tokenizer, self.eos, self.drafter, self.costs),
-            "specgen-draft": Generator.over(self.lm, tokenizer, self.eos, self.drafter, self.costs),
-            "specgen-ngram": Generator.over(self.lm, tokenizer, self.eos, PromptLookupDrafter(), free),
-            "specgen-lookahead": Generator.over(self.lm, tokenizer, self.eos, LookaheadDrafter(), free),
-            "specgen-tree": Generator.over(self.lm, tokenizer, self.eos, self.drafter, self.costs),
+            "specgen-plain": Speculator.over(self.lm, tokenizer, self.eos, self.drafter, self.costs),
+            "specgen-draft": Speculator.over(self.lm, tokenizer, self.eos, self.drafter, self.costs),
+            "specgen-ngram": Speculator.over(self.lm, tokenizer, self.eos, PromptLookupDrafter(), free),
+            "specgen-lookahead": Speculator.over(self.lm, tokenizer, self.eos, LookaheadDrafter(), free),
+            "specgen-tree": Speculator.over(self.lm, tokenizer, self.eos, self.drafter, self.costs),
         }
         self.methods = methods
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from speccli.commands.bench_prompts import load_prompts
+from speccli.bench.prompts import load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.generation.pipeline import load_pipeline
-from speccli.generation.prompts import encode_prompt
 from speccli.heads.train import eagle_first_guesses
+from speccli.pipeline import load_pipeline
+from speccli.prompts import encode_prompt
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def main() -> int:
     config = LoadConfig("cpu", args.dtype)
     pipeline = load_pipeline(args.target, args.heads, config, LoadConfig("cpu", args.dtype, for_draft=True),
                              lambda message: print(message, file=sys.stderr))
-    generator = pipeline.generator()
+    generator = pipeline.speculator()
     names = {n for n in args.names.split(",") if n}
     totals = {"accepted": 0, "drafted": 0, "all": [0, 0], "drafted_positions": [0, 0]}
     print(f"{'prompt':20s} {'decoding k=1':>14s} {'teacher-forced':>15s} {'at drafted positions':>21s}")

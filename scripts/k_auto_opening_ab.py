@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from speccli.commands.bench_prompts import encode_bench_prompt, load_prompts
+from speccli.api import Speculator
+from speccli.autok import policy as pol
+from speccli.autok.costs import CostProfile, measure_costs
+from speccli.bench.prompts import encode_bench_prompt, load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.engine import policy as pol
-from speccli.engine.calibration import CostProfile, measure_costs
-from speccli.generation.pipeline import causal_lm, model_drafter
-from speccli.generation.stream import Generator
 from speccli.models.loading import load_model
+from speccli.pipeline import causal_lm, model_drafter
 
 dtype, variants, limit, max_new, out = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 oneshot = os.environ.get("ONESHOT") == "1"
@@ -39,8 +39,8 @@ profile = CostProfile(cal, None)
 new_begin = pol.AdaptiveDraftLength.begin
 
 
-def generator() -> Generator:
-    g = Generator.over(lm, target.tokenizer, eos, drafter, costs)
+def generator() -> Speculator:
+    g = Speculator.over(lm, target.tokenizer, eos, drafter, costs)
     g.decoder.prior = prior
     return g
 

@@ -17,11 +17,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from speccli.commands.bench_prompts import encode_bench_prompt, load_prompts
+from speccli.bench.prompts import encode_bench_prompt, load_prompts
 from speccli.config import AUTO_K, LoadConfig, SamplingConfig, SpecConfig
-from speccli.generation.pipeline import load_pipeline
 from speccli.models.loading import cpu_name
 from speccli.models.precise_logits import set_precise_logits
+from speccli.pipeline import load_pipeline
 
 DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "default.jsonl"
 
@@ -50,7 +50,7 @@ def main() -> int:
     if not set_precise_logits(model):
         log(f"the target's output layer is not refined in {args.dtype}: nothing to compare")
         return 2
-    generator = pipeline.generator(log)
+    generator = pipeline.speculator(log)
     sampling = SamplingConfig()
     spec = SpecConfig(k=AUTO_K, max_new_tokens=args.max_new_tokens)
     generator.calibrate(spec.max_k)

@@ -33,13 +33,13 @@ from typing import Sequence
 
 import torch
 
-import speccli.engine.decoder as decoder_module
-from speccli.commands.bench_prompts import encode_bench_prompt, load_prompts
+import speccli.loop as decoder_module
+from speccli.autok.costs import CostProfile
+from speccli.bench.prompts import encode_bench_prompt, load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.engine.calibration import CostProfile
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import PromptLookupDrafter
-from speccli.engine.events import StepEvent, TokenEvent
+from speccli.drafters.ngram import PromptLookupDrafter
+from speccli.events import StepEvent, TokenEvent
+from speccli.loop import SpeculativeDecoder
 from speccli.models.loading import load_tokenizer
 
 POLICIES = ("by-match", "pooled")

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from speccli.commands.divergence import first_difference
+from speccli.bench.divergence import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
-from speccli.generation.pipeline import load_pipeline
-from speccli.generation.prompts import Prompt
 from speccli.models.onednn import set_cpu_linear
+from speccli.pipeline import load_pipeline
+from speccli.prompts import Prompt
 
 
 def main() -> int:
@@ -43,7 +43,7 @@ def main() -> int:
     config = LoadConfig(dtype=args.dtype)
     pipeline = load_pipeline(args.target, args.draft, config, config, progress=lambda m: print(m, file=sys.stderr))
     tokenizer, model = pipeline.tokenizer, pipeline.target.model
-    generator = pipeline.generator()
+    generator = pipeline.speculator()
     failures = 0
     for prompt in args.prompts:
         ids = generator.encode(Prompt.of(prompt))

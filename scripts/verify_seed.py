@@ -5,7 +5,7 @@
 
 For each prompt and seed: the plain target's sample (no draft), then speculative decoding with
 the draft model at each --k (auto twice in a row) and with prompt lookup (ngram). With a seed,
-sampling is coupled per output position (speccli.engine.coupling), so every run must print
+sampling is coupled per output position (speccli.coupling), so every run must print
 exactly the plain target's tokens. Prints one line per run and exits 1 on any difference.
 
 Then the acceptance of the two sampling rules side by side, for each k: the coupled rule
@@ -19,11 +19,11 @@ import argparse
 import sys
 import time
 
-from speccli.commands.divergence import first_difference
+from speccli.bench.divergence import first_difference
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
-from speccli.engine.drafters import PromptLookupDrafter
-from speccli.generation.pipeline import load_pipeline
-from speccli.generation.prompts import Prompt
+from speccli.drafters.ngram import PromptLookupDrafter
+from speccli.pipeline import load_pipeline
+from speccli.prompts import Prompt
 from speccli.stats import GenerationStats
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     target_config = LoadConfig(dtype=args.dtype)
     draft_config = LoadConfig(dtype=args.dtype, for_draft=True)
     pipeline = load_pipeline(args.target, args.draft, target_config, draft_config, progress=lambda m: print(m, file=sys.stderr))
-    generator = pipeline.generator(progress=lambda m: print(m, file=sys.stderr))
+    generator = pipeline.speculator(progress=lambda m: print(m, file=sys.stderr))
     model_drafter = generator.drafter
     runs: list[tuple[str, object, int | str]] = []
     if model_drafter is not None:

@@ -232,9 +232,9 @@ def generate(
 
     def body() -> int:
         progress = stderr_progress(quiet)
-        from speccli.engine.context import ContextOverflowError
-        from speccli.generation.pipeline import load_pipeline
-        from speccli.generation.prompts import NoChatTemplateError, Prompt
+        from speccli.context import ContextOverflowError
+        from speccli.pipeline import load_pipeline
+        from speccli.prompts import NoChatTemplateError, Prompt
 
         try:
             draft_length = parse_draft_length(k)
@@ -248,9 +248,9 @@ def generate(
         text = read_prompt(prompt)
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
-        generator = pipeline.generator(progress, recalibrate)
+        speculator = pipeline.speculator(progress, recalibrate)
         try:
-            generation = generator.stream(Prompt.of(text, chat, system), sampling, spec)
+            generation = speculator.stream(Prompt.of(text, chat, system), sampling, spec)
         except NoChatTemplateError:
             raise UsageError("this model has no chat template", "run without --chat") from None
         except ContextOverflowError as error:
@@ -259,7 +259,7 @@ def generate(
                 "shorten the prompt",
             ) from None
         finished = print_generation(pipeline, generation, sampling, spec, as_json, stats)
-        for notice in generator.take_notices():
+        for notice in speculator.take_notices():
             progress(notice)
         return 0 if finished else EXIT_INTERRUPTED
 
@@ -288,7 +288,7 @@ def chat(
 
     def body() -> int:
         progress = stderr_progress(quiet)
-        from speccli.generation.pipeline import load_pipeline
+        from speccli.pipeline import load_pipeline
         from speccli.ui.chat import run_chat
 
         target_config, draft_config = options.configs()
@@ -344,10 +344,10 @@ def bench(
         from pathlib import Path
 
         progress = stderr_progress(quiet)
-        from speccli.commands.bench_prompts import load_prompts, parse_k_list
-        from speccli.commands.bench_results import BenchSettings
-        from speccli.commands.bench_runner import BenchRunner
-        from speccli.generation.pipeline import NO_DRAFT, load_pipeline
+        from speccli.bench.prompts import load_prompts, parse_k_list
+        from speccli.bench.results import BenchSettings
+        from speccli.bench.runner import BenchRunner
+        from speccli.pipeline import NO_DRAFT, load_pipeline
         from speccli.ui import bench_report
         from speccli.ui.progress import BenchProgressDisplay
 
@@ -364,12 +364,12 @@ def bench(
             raise UsageError("bench compares speculative decoding with plain decoding and needs a draft", "use --draft MODEL, --draft ngram or --draft lookahead")
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
-        generator = pipeline.generator(progress, recalibrate)
+        speculator = pipeline.speculator(progress, recalibrate)
         if AUTO_K in ks:
-            generator.calibrate(SpecConfig().max_k)  # before the progress bar starts
+            speculator.calibrate(SpecConfig().max_k)  # before the progress bar starts
         bench_progress = BenchProgressDisplay(progress, bar=not quiet and sys.stderr.isatty())
         runner = BenchRunner(
-            generator, None, settings, progress=bench_progress.update, metadata=pipeline.model_info(),
+            speculator, None, settings, progress=bench_progress.update, metadata=pipeline.model_info(),
             dtype=pipeline.target.dtype,
         )
         interrupted = False
@@ -458,7 +458,7 @@ def train(
         from pathlib import Path
 
         progress = stderr_progress(quiet)
-        from speccli.commands.train_heads import (
+        from speccli.heads.command import (
             TrainEvents,
             TrainRequest,
             accuracy_line,

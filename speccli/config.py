@@ -61,7 +61,7 @@ class SpecConfig:
     maximises expected tokens per second from the acceptance and costs measured so far.
     max_k is also how far `auto` calibrates (passes over 1 .. max_k + 1 tokens); where the
     measured curve stops paying for longer drafts, `auto` stops short of it by itself.
-    tree: draft a tree of candidates k deep (speccli.engine.tree) instead of one chain,
+    tree: draft a tree of candidates k deep (speccli.tree) instead of one chain,
     its size chosen from the measured pass costs.
     """
 
@@ -105,10 +105,10 @@ class LoadConfig:
     one-row products as two rows where that is measured faster (see
     speccli.models.onednn); stock keeps PyTorch's default kernels.
     cuda_graphs: auto runs a model on CUDA in bfloat16/float16 or bitsandbytes 4/8-bit over a
-    static KV cache replayed as CUDA graphs (speccli.engine.static_backend); off, and every
-    model on the CPU, keeps transformers' DynamicCache (speccli.engine.backends.HFCausalLM).
+    static KV cache replayed as CUDA graphs (speccli.backends.static); off, and every
+    model on the CPU, keeps transformers' DynamicCache (speccli.backends.hf.HFCausalLM).
     backend: auto runs a GGUF file on the CPU through llama.cpp when llama-cpp-python is
-    installed (speccli.engine.llamacpp_backend), everything else through transformers.
+    installed (speccli.backends.llamacpp), everything else through transformers.
     """
 
     device: str = "auto"

@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from speccli.engine.events import Event, FinishEvent, PrefillEvent, Provenance, StepEvent, TokenEvent
+from speccli.events import Event, FinishEvent, PrefillEvent, Provenance, StepEvent, TokenEvent
 
 
 def expected_tokens_per_step(alpha: float, k: float) -> float:

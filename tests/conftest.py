@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from speccli.engine.backends import HFCausalLM
+from speccli.backends.hf import HFCausalLM
 
 # The models here are tiny: one thread avoids oversubscribing a shared 2-core machine,
 # which made them several times slower.
@@ -198,7 +198,7 @@ def save_model_folder(model: LlamaForCausalLM, tokenizer, folder: Path) -> Path:
 
 def wrap_static(model: LlamaForCausalLM, **kwargs):
     """The static-cache backend over a model (CUDA graphs only when the model is on CUDA)."""
-    from speccli.engine.static_backend import StaticCausalLM
+    from speccli.backends.static import StaticCausalLM
 
     return StaticCausalLM(model, **kwargs)
 

@@ -16,8 +16,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from speccli.engine.events import StepEvent
-from speccli.engine.policy import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
+from speccli.autok.policy import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
+from speccli.events import StepEvent
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,15 @@ import torch
 from rich.console import Console
 
 from conftest import char_tokenizer, wrap
-from speccli.commands.bench_prompts import BenchInputError, BenchPrompt, encode_bench_prompt, load_prompts, parse_k_list
-from speccli.commands.bench_results import BenchResults, BenchRow, BenchSettings, RunResult, Spread
-from speccli.commands.bench_runner import BenchProgress, BenchRunner, run_bench
-from speccli.generation.stream import Generator
+from speccli.api import Speculator
+from speccli.bench.prompts import BenchInputError, BenchPrompt, encode_bench_prompt, load_prompts, parse_k_list
+from speccli.bench.results import BenchResults, BenchRow, BenchSettings, RunResult, Spread
+from speccli.bench.runner import BenchProgress, BenchRunner, run_bench
 from speccli.config import SamplingConfig
-from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
+from speccli.drafters.model import ModelDrafter
+from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.errors import UsageError
-from speccli.engine.events import StepEvent
+from speccli.events import StepEvent
 from speccli.stats import GenerationStats
 from speccli.ui import bench_report
 from speccli.ui.bench_report import CSV_COLUMNS, SUMMARY_COLUMNS, ReportError
@@ -228,7 +229,7 @@ def test_encode_text_and_chat(chat_tokenizer):
 def test_chat_prompt_without_template_fails_before_any_run(tokenizer, pairs):
     calls = []
     runner = BenchRunner(
-        Generator.over(wrap(pairs[0].target), tokenizer, [EOS]), PromptLookupDrafter, BenchSettings(), progress=calls.append
+        Speculator.over(wrap(pairs[0].target), tokenizer, [EOS]), PromptLookupDrafter, BenchSettings(), progress=calls.append
     )
     prompts = [BenchPrompt("ok", text="abc"), BenchPrompt("chatty", messages=({"role": "user", "content": "hi"},))]
     with pytest.raises(BenchInputError) as info:
@@ -539,7 +540,7 @@ def test_seeded_sampling_rows_share_a_seed_and_print_the_plain_sample(pairs, tok
     assert all(r.spec.token_ids == by_repeat[r.repeat] for r in results.rows)  # k 2 and k auto agree
     assert by_repeat[0] != by_repeat[1]  # repeat r uses seed + r
     # Plain runs with the same seed reproduce: a rerun of repeat 0 gives the same tokens.
-    runner = BenchRunner(Generator.over(wrap(pair.target), tokenizer, [EOS]), PromptLookupDrafter, settings)
+    runner = BenchRunner(Speculator.over(wrap(pair.target), tokenizer, [EOS]), PromptLookupDrafter, settings)
     again = runner.run_row(BenchPrompt("a", text="hello"), tokenizer("hello")["input_ids"], 2, 0)
     assert again.plain.token_ids == results.rows[0].plain.token_ids == again.spec.token_ids
 
@@ -550,7 +551,7 @@ def test_interrupted_run_keeps_the_rows_so_far(pairs, tokenizer):
             raise KeyboardInterrupt
 
     runner = BenchRunner(
-        Generator.over(wrap(pairs[0].target), tokenizer, [EOS]), PromptLookupDrafter,
+        Speculator.over(wrap(pairs[0].target), tokenizer, [EOS]), PromptLookupDrafter,
         BenchSettings(max_new_tokens=4, ks=(1, 2), repeat=3, warmup=False), stop_after_two,
     )
     with pytest.raises(KeyboardInterrupt):
@@ -706,7 +707,7 @@ def test_k_auto_keeps_one_policy_across_runs_with_the_same_drafter(pairs, tokeni
     # What k auto learns on one prompt carries over to the next, as in a chat session.
     pair = pairs[0]
     drafter = ModelDrafter(wrap(pair.draft), len(tokenizer))
-    generator = Generator.over(wrap(pair.target), tokenizer, [EOS])
+    generator = Speculator.over(wrap(pair.target), tokenizer, [EOS])
     policies = []
     original = generator.use_drafter
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from conftest import save_model_folder, wrap
-from speccli.generation import calibration as calibration_cache
-from speccli.generation.calibration import (
+from speccli.autok import store as calibration_cache
+from speccli.autok.costs import CostProfile, measure_costs
+from speccli.autok.policy import AdaptiveDraftLength
+from speccli.autok.store import (
     calibrate,
     calibration_identity,
     calibration_path,
@@ -18,12 +20,10 @@ from speccli.generation.calibration import (
     prior_identity,
 )
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.engine.calibration import CostProfile, measure_costs
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter
-from speccli.engine.events import StepEvent
-from speccli.engine.policy import AdaptiveDraftLength
-from speccli.generation.pipeline import load_pipeline
+from speccli.drafters.model import ModelDrafter
+from speccli.events import StepEvent
+from speccli.loop import SpeculativeDecoder
+from speccli.pipeline import load_pipeline
 
 STEEP = CostProfile({n: 0.1 * n for n in range(1, 10)}, 0.05)  # float32 on a CPU, roughly
 FLAT = CostProfile({n: 0.2 for n in range(1, 10)}, 0.01)  # bfloat16 here, roughly
@@ -44,7 +44,7 @@ def test_measure_costs_without_a_draft_model(pairs):
 
 
 def test_measure_costs_times_each_size_beside_a_one_token_pass_and_alternates_the_order(pairs, monkeypatch):
-    from speccli.engine import calibration
+    from speccli.autok import costs as calibration
 
     order: list[int] = []
     # A spell that slows the machine down for a moment slows both passes of a pair: the
@@ -64,7 +64,7 @@ def test_measure_costs_times_each_size_beside_a_one_token_pass_and_alternates_th
 
 
 def test_measure_costs_takes_the_curve_from_pairs_not_from_moments_that_never_met(pairs, monkeypatch):
-    from speccli.engine import calibration
+    from speccli.autok import costs as calibration
 
     # Calls in order, sizes [1, 4]: round 0 (warm-up) 1 | 1 4; round 1: 1 4 | 1; round 2: 1 | 1 4;
     # round 3: 1 4 | 1. The machine is quiet only for the lone one-token passes of rounds 1 and 3
@@ -85,7 +85,7 @@ def test_measure_costs_takes_the_curve_from_pairs_not_from_moments_that_never_me
 def test_measure_costs_takes_eight_rounds_after_the_warm_up_by_default(pairs, monkeypatch):
     # Three rounds put a 16-token pass anywhere from 1.37x to 1.59x a one-token pass on a
     # 2-core AMD EPYC; lookahead's shape turns on such ratios.
-    from speccli.engine import calibration
+    from speccli.autok import costs as calibration
 
     calls: list[int] = []
 
@@ -101,7 +101,7 @@ def test_measure_costs_takes_eight_rounds_after_the_warm_up_by_default(pairs, mo
 
 
 def test_round_progress_says_the_time_left_after_the_first_round_then_every_twenty_seconds():
-    from speccli.generation.calibration import RoundProgress
+    from speccli.autok.store import RoundProgress
 
     now = [100.0]
     said: list[str] = []
@@ -294,8 +294,8 @@ def test_the_target_is_calibrated_once_for_every_drafter_and_a_draft_model_times
 
 
 def test_drafters_without_a_model_share_one_calibration_and_keep_their_priors_apart(folders, tmp_path, monkeypatch):
-    from speccli.engine.policy import AcceptancePrior
-    from speccli.generation.calibration import prior_path
+    from speccli.autok.policy import AcceptancePrior
+    from speccli.autok.store import prior_path
 
     ngram = pipeline_for(folders, draft="ngram")
     costs = calibrate(ngram, max_k=2, cache_dir=tmp_path)
@@ -324,13 +324,13 @@ def test_drafters_without_a_model_share_one_calibration_and_keep_their_priors_ap
 
 
 def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_next_session(folders, tmp_path, monkeypatch):
-    from speccli.engine.policy import AcceptancePrior
-    from speccli.generation.calibration import prior_path, read_prior, remember
+    from speccli.autok.policy import AcceptancePrior
+    from speccli.autok.store import prior_path, read_prior, remember
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: FLAT)
     pipeline = pipeline_for(folders)
-    generator = pipeline.generator()
+    generator = pipeline.speculator()
     auto = SpecConfig(k="auto", max_new_tokens=16)
     assert remember(pipeline, auto.max_k) is None  # nothing learned yet: nothing written
     generator.stream([5, 6, 7], SamplingConfig(), auto).run()
@@ -348,7 +348,7 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
 
     # The next session reads it back with the calibration, and its policy starts from it.
     again = pipeline_for(folders)
-    policy_generator = again.generator()
+    policy_generator = again.speculator()
     policy_generator.calibrate(auto.max_k)
     assert again.decoder.prior == saved
     policy = again.decoder._policy_for(auto)
@@ -369,14 +369,14 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
 
 
 def test_prompt_lookup_remembers_its_acceptance_by_match_length(folders, tmp_path, monkeypatch):
-    from speccli.engine.drafters import LOOKUP_ACCEPTANCE
-    from speccli.generation.calibration import prior_path, read_prior, remember
+    from speccli.autok.store import prior_path, read_prior, remember
+    from speccli.drafters.ngram import LOOKUP_ACCEPTANCE
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: CostProfile(FLAT.verify_seconds, None))
     pipeline = pipeline_for(folders, draft="ngram")
     auto = SpecConfig(k="auto", max_new_tokens=48)
-    pipeline.generator().stream([5, 6, 7, 5, 6, 7, 5, 6], SamplingConfig(), auto).run()
+    pipeline.speculator().stream([5, 6, 7, 5, 6, 7, 5, 6], SamplingConfig(), auto).run()
     learned = pipeline.decoder.learned()
     assert learned.by_match and remember(pipeline, auto.max_k) == learned
     identity = prior_identity(pipeline, auto.max_k + 1)
@@ -388,7 +388,7 @@ def test_prompt_lookup_remembers_its_acceptance_by_match_length(folders, tmp_pat
 
     # The next session starts each match length from what it learned, the others from the default.
     again = pipeline_for(folders, draft="ngram")
-    again.generator().calibrate(auto.max_k)
+    again.speculator().calibrate(auto.max_k)
     policy = again.decoder._policy_for(auto)
     for match in (1, 2, 3):
         remembered = saved.for_match(match)
@@ -397,7 +397,7 @@ def test_prompt_lookup_remembers_its_acceptance_by_match_length(folders, tmp_pat
 
 
 def test_pass_times_tell_a_calibration_that_overstates_the_costs():
-    from speccli.engine.calibration import OVERSTATED_BY, MIN_PASSES, Overstatement, PassTimes
+    from speccli.autok.costs import OVERSTATED_BY, MIN_PASSES, Overstatement, PassTimes
 
     loaded = CostProfile({1: 0.722, 16: 1.286, 17: 0.765}, None)  # measured while the test suite ran
     times = PassTimes()
@@ -419,7 +419,7 @@ def test_pass_times_tell_a_calibration_that_overstates_the_costs():
 
 
 def test_a_calibration_the_passes_show_overstated_is_dropped_and_measured_again(folders, tmp_path, monkeypatch):
-    from speccli.engine.calibration import MIN_PASSES
+    from speccli.autok.costs import MIN_PASSES
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
     measured: list[CostProfile] = []
@@ -432,7 +432,7 @@ def test_a_calibration_the_passes_show_overstated_is_dropped_and_measured_again(
     monkeypatch.setattr(calibration_cache, "measure_costs", measure)
     pipeline = pipeline_for(folders)
     messages: list[str] = []
-    generator = pipeline.generator(progress=messages.append)
+    generator = pipeline.speculator(progress=messages.append)
     auto = SpecConfig(k="auto", max_new_tokens=MIN_PASSES * 6)  # k auto drafts 1-2 tokens a step here
     generator.stream([5, 6, 7], SamplingConfig(), auto).run()
     path = calibration_path(calibration_identity(pipeline, auto.max_k + 1))
@@ -463,14 +463,14 @@ def test_the_check_after_a_generation_reads_the_decoder_that_ran_it(folders, tmp
     # decoder: its passes and what it learned are the ones to check and keep.
     import copy
 
-    from speccli.engine.calibration import MIN_PASSES
-    from speccli.generation.calibration import prior_path, read_prior
+    from speccli.autok.costs import MIN_PASSES
+    from speccli.autok.store import prior_path, read_prior
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
     slow = CostProfile({n: 10.0 for n in range(1, 10)}, 0.5)
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: slow)
     pipeline = pipeline_for(folders)
-    generator = pipeline.generator()
+    generator = pipeline.speculator()
     auto = SpecConfig(k="auto", max_new_tokens=MIN_PASSES * 6)
     generator.calibrate(auto.max_k)
     generator.use_drafter(copy.copy(pipeline.decoder.drafter))

@@ -24,14 +24,14 @@ from conftest import (
     save_model_folder,
     tiny_llama,
 )
-from speccli.commands.chat_session import ChatError, ChatSession, ChatSettings, SettingError
-from speccli.generation.prompts import encode_conversation
-from speccli.generation.stream import Generator
-from speccli.engine.backends import HFCausalLM
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter
-from speccli.engine.events import PrefillEvent, TokenEvent
+from speccli.api import Speculator
+from speccli.backends.hf import HFCausalLM
+from speccli.chat import ChatError, ChatSession, ChatSettings, SettingError
+from speccli.drafters.model import ModelDrafter
 from speccli.errors import UsageError
+from speccli.events import PrefillEvent, TokenEvent
+from speccli.loop import SpeculativeDecoder
+from speccli.prompts import encode_conversation
 from speccli.ui.chat import (
     COMMANDS,
     ChatUI,
@@ -72,7 +72,7 @@ def make_session(models, drafter: bool = True, max_tokens: int = 24, **kwargs) -
         target_lm, tokenizer, [EOS], ModelDrafter(HFCausalLM(draft), target_lm.vocab_size) if drafter else None
     )
     settings = ChatSettings.of(max_tokens=max_tokens, k=kwargs.pop("k", 4))
-    return ChatSession(Generator(decoder), settings, kwargs.pop("system", None), model_info={"target": "t", "draft": "d"}, **kwargs)
+    return ChatSession(Speculator(decoder), settings, kwargs.pop("system", None), model_info={"target": "t", "draft": "d"}, **kwargs)
 
 
 def drain(events) -> list:
@@ -477,7 +477,7 @@ def test_run_chat_refuses_bad_settings_and_models_without_a_template(models):
     tokenizer, target, draft = models
 
     def Fake(tok):
-        from speccli.generation.pipeline import Pipeline
+        from speccli.pipeline import Pipeline
 
         loaded = type("T", (), {"name": "tiny", "dtype": torch.float32, "device": "cpu", "quant": "none", "linear": "stock", "tokenizer": tok})()
         return Pipeline(loaded, None, "none", SpeculativeDecoder(HFCausalLM(target), tok, [EOS]))
@@ -538,7 +538,7 @@ LAUNCHER = """\
 # Stand-in for `specgen chat` until the CLI command is wired.
 import sys
 from speccli.config import LoadConfig
-from speccli.generation.pipeline import load_pipeline
+from speccli.pipeline import load_pipeline
 from speccli.ui.chat import run_chat
 
 target, draft, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -1,4 +1,4 @@
-"""Coupled sampling (speccli.engine.coupling): with a seed, the noise of output position t
+"""Coupled sampling (speccli.coupling): with a seed, the noise of output position t
 depends on (seed, t) only; the output is the target's own Gumbel-max sample for that seed,
 whatever the drafter, k or timing, and it is distributed exactly as the target's."""
 
@@ -10,21 +10,22 @@ import pytest
 import torch
 from scipy.stats import chisquare, gumbel_r, kstest
 
-import speccli.engine.coupling as coupling
+import speccli.coupling as coupling
 from conftest import wrap
+from speccli.api import Speculator
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.engine.coupling import (
+from speccli.coupling import (
     PositionNoise,
     gumbel_argmax,
     gumbel_noise,
     position_seed,
     verify_coupled,
 )
-from speccli.engine.decoder import SpeculativeDecoder, coupled
-from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
-from speccli.engine.events import Provenance, StepEvent, TokenEvent
-from speccli.engine.sampling import Verdict, warp
-from speccli.generation.stream import Generator
+from speccli.drafters.model import ModelDrafter
+from speccli.drafters.ngram import PromptLookupDrafter
+from speccli.events import Provenance, StepEvent, TokenEvent
+from speccli.loop import SpeculativeDecoder, coupled
+from speccli.verify import Verdict, warp
 from test_decoder_sampling import (
     CONTINUATION,
     assert_follows,
@@ -113,7 +114,7 @@ def sampling_for(seed: int) -> SamplingConfig:
     return SamplingConfig(temperature=0.8, seed=seed)
 
 
-def outputs_by_method(generator: Generator, model_drafter: ModelDrafter, prompt: list[int], sampling, max_new: int):
+def outputs_by_method(generator: Speculator, model_drafter: ModelDrafter, prompt: list[int], sampling, max_new: int):
     """token ids of one seeded generation by each method, 'auto' twice in a row."""
     out = {}
     spec = lambda k, tree=False: SpecConfig(k=k, max_new_tokens=max_new, tree=tree)  # noqa: E731
@@ -139,7 +140,7 @@ def outputs_by_method(generator: Generator, model_drafter: ModelDrafter, prompt:
 def test_a_seed_gives_the_targets_own_sample_whatever_the_drafter_and_k(pairs, tokenizer, pair_index, seeds):
     pair = pairs[pair_index]
     prompt = tokenizer(PROMPT)["input_ids"]
-    generator = Generator.over(wrap(pair.target), tokenizer, [2])
+    generator = Speculator.over(wrap(pair.target), tokenizer, [2])
     model_drafter = ModelDrafter(wrap(pair.draft), len(tokenizer))
     accepted = 0
     for seed in seeds:
@@ -157,7 +158,7 @@ def test_a_seed_gives_the_targets_own_sample_whatever_the_drafter_and_k(pairs, t
 def test_without_a_seed_samples_differ(pairs, tokenizer):
     pair = pairs[0]
     prompt = tokenizer(PROMPT)["input_ids"]
-    generator = Generator.over(wrap(pair.target), tokenizer, [2], ModelDrafter(wrap(pair.draft), len(tokenizer)))
+    generator = Speculator.over(wrap(pair.target), tokenizer, [2], ModelDrafter(wrap(pair.draft), len(tokenizer)))
     sampling = SamplingConfig(temperature=1.0)
     texts = {tuple(generator.stream(prompt, sampling, SpecConfig(k=4, max_new_tokens=16)).run().token_ids) for _ in range(4)}
     assert len(texts) > 1

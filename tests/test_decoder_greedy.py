@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from conftest import wrap
+from speccli.autok.policy import AdaptiveDraftLength
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
-from speccli.engine.events import FinishEvent, FinishReason, StepEvent, TokenEvent
-from speccli.engine.policy import AdaptiveDraftLength
+from speccli.drafters.model import ModelDrafter
+from speccli.drafters.ngram import PromptLookupDrafter
+from speccli.events import FinishEvent, FinishReason, StepEvent, TokenEvent
+from speccli.loop import SpeculativeDecoder
 
 PROMPTS = [
     "def fib(n):",

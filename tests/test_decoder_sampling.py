@@ -16,13 +16,13 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-import speccli.engine.decoder as decoder_module
-import speccli.engine.sampling as sampling_module
+import speccli.loop as decoder_module
+import speccli.verify as sampling_module
 from conftest import char_tokenizer, perturbed_copy, tiny_llama, wrap, wrap_static
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter
-from speccli.engine.events import Provenance, StepEvent, TokenEvent
+from speccli.drafters.model import ModelDrafter
+from speccli.events import Provenance, StepEvent, TokenEvent
+from speccli.loop import SpeculativeDecoder
 
 ALPHABET = "abcdefghijklm"  # 13 characters + 3 special tokens: a vocabulary of 16
 CONTINUATION = 3

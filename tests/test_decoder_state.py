@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from conftest import wrap, wrap_static
+from speccli.autok.policy import DraftLengthPolicy
+from speccli.backends.hf import HFCausalLM
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.engine.backends import HFCausalLM
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
-from speccli.engine.events import (
+from speccli.drafters.base import Draft, Drafter
+from speccli.drafters.model import ModelDrafter
+from speccli.drafters.ngram import PromptLookupDrafter
+from speccli.events import (
     FinishEvent,
     FinishReason,
     PrefillEvent,
@@ -20,7 +22,7 @@ from speccli.engine.events import (
     StepEvent,
     TokenEvent,
 )
-from speccli.engine.policy import DraftLengthPolicy
+from speccli.loop import SpeculativeDecoder
 
 EOS = 2
 

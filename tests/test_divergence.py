@@ -1,11 +1,11 @@
-"""Telling rounding near-ties from real mismatches (speccli.commands.divergence)."""
+"""Telling rounding near-ties from real mismatches (speccli.bench.divergence)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from speccli.commands.divergence import Divergence, classify, first_difference, near_tie_tolerance, ulp
+from speccli.bench.divergence import Divergence, classify, first_difference, near_tie_tolerance, ulp
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,10 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from conftest import ON_CPU, char_tokenizer, save_model_folder, tiny_llama, wrap
+from speccli.autok.costs import measure_costs
 from speccli.cli import app
 from speccli.config import SamplingConfig
-from speccli.engine.calibration import measure_costs
-from speccli.engine.drafters import ModelDrafter
+from speccli.drafters.model import ModelDrafter
 from speccli.models.compat import check_tokenizers_compatible, shared_vocab
 
 # The commands here run with k auto (calibrating) unless told otherwise: keep it out of ~/.cache.

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from conftest import char_tokenizer, wrap
+from speccli.api import Speculator
+from speccli.autok.costs import CostProfile
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.engine.calibration import CostProfile
-from speccli.engine.context import ContextOverflowError
-from speccli.engine.drafters import ModelDrafter
-from speccli.engine.events import Provenance
-from speccli.generation.prompts import NoChatTemplateError, Prompt, PromptError, encode_prompt
-from speccli.generation.stream import Generator
+from speccli.context import ContextOverflowError
+from speccli.drafters.model import ModelDrafter
+from speccli.events import Provenance
+from speccli.prompts import NoChatTemplateError, Prompt, PromptError, encode_prompt
 from speccli.stats import speedup
 
 EOS = 2
@@ -23,14 +23,14 @@ TEMPLATE = (
 )
 
 
-def generator_for(pair, tokenizer, calls: list[int] | None = None) -> Generator:
+def generator_for(pair, tokenizer, calls: list[int] | None = None) -> Speculator:
     def calibrate(max_k: int) -> CostProfile:
         calls.append(max_k)
         return FLAT
 
     target = wrap(pair.target)
     drafter = ModelDrafter(wrap(pair.draft), target.vocab_size)
-    return Generator.over(target, tokenizer, [EOS], drafter, calibrate=calibrate if calls is not None else None)
+    return Speculator.over(target, tokenizer, [EOS], drafter, calibrate=calibrate if calls is not None else None)
 
 
 def test_k_auto_calibrates_once_when_first_asked_for_and_seeds_the_policy(pairs, tokenizer):

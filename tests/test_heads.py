@@ -9,19 +9,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import speccli.engine.decoder as decoder_module
+import speccli.loop as decoder_module
 from conftest import char_tokenizer, tiny_llama, wrap, wrap_static
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.events import Provenance, StepEvent, TokenEvent
-from speccli.engine.head_drafters import EagleDrafter, MedusaDrafter
+from speccli.drafters.heads import EagleDrafter, MedusaDrafter
+from speccli.events import Provenance, StepEvent, TokenEvent
 from speccli.heads.corpus import Corpus, build_corpus
-from speccli.heads.eagle import EagleHead
+from speccli.drafters.eagle_layer import EagleHead
 from speccli.heads.features import extract
-from speccli.heads.medusa import MedusaHeads
+from speccli.drafters.medusa_heads import MedusaHeads
 from speccli.heads.store import Heads, HeadsMismatch, load_heads, save_heads, target_identity
 from speccli.heads.train import TrainConfig, Trainer
-from speccli.heads.vocab import IGNORE, DraftVocab
+from speccli.drafters.draft_vocab import IGNORE, DraftVocab
+from speccli.loop import SpeculativeDecoder
 from test_decoder_greedy import PROMPTS, emitted, encode, target_greedy
 from test_decoder_sampling import (
     ALPHABET,

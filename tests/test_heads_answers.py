@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from speccli.commands.train_heads import _fitting, default_text
 from speccli.heads.answers import make_answers, read_answers
+from speccli.heads.command import _fitting, default_text
 from speccli.heads.corpus import Tokens, build_corpus
 from speccli.heads.instructions import LANGUAGES, SENTENCES, requests
 
@@ -126,7 +126,7 @@ def test_a_batch_of_greedy_answers_is_each_prompts_own_greedy_continuation():
     import torch
 
     from conftest import tiny_llama
-    from speccli.commands.train_heads import greedy_batch
+    from speccli.heads.command import greedy_batch
 
     model = tiny_llama(40, seed=3, logit_scale=4.0).eval()
     prompts = [[5, 6, 7, 8, 9, 10], [11], [12, 13, 14]]
@@ -145,7 +145,7 @@ def test_answers_come_through_transformers_in_batches_where_the_target_is_in_a_f
 
     import torch
 
-    from speccli.commands.train_heads import TRANSFORMERS_ANSWER_BATCH, _batches_fast
+    from speccli.heads.command import TRANSFORMERS_ANSWER_BATCH, _batches_fast
 
     def loaded(device: str, dtype: torch.dtype):
         return SimpleNamespace(device=torch.device(device), dtype=dtype)

@@ -8,9 +8,9 @@ import torch
 
 from conftest import save_model_folder, wrap
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter
-from speccli.engine.events import StepEvent, TokenEvent
+from speccli.drafters.model import ModelDrafter
+from speccli.events import StepEvent, TokenEvent
+from speccli.loop import SpeculativeDecoder
 from speccli.models import loading
 from speccli.models.errors import ModelLoadError
 from speccli.models.int8 import int8_problem, quantize_int8

@@ -7,8 +7,8 @@ import io
 
 import pytest
 
-from speccli.commands.chat_session import SessionReport
-from speccli.engine.events import FinishEvent, FinishReason, Provenance, StepEvent, TokenEvent
+from speccli.chat import SessionReport
+from speccli.events import FinishEvent, FinishReason, Provenance, StepEvent, TokenEvent
 from speccli.stats import GenerationStats
 from speccli.ui.live import (
     LEGEND,

@@ -1,4 +1,4 @@
-"""The llama.cpp backend (speccli.engine.llamacpp_backend) on the real SmolLM2-135M GGUF.
+"""The llama.cpp backend (speccli.backends.llamacpp) on the real SmolLM2-135M GGUF.
 
 llama.cpp's batched passes may round differently from one-token passes (other matrix
 kernels), so comparisons across pass shapes allow a small tolerance, and greedy runs
@@ -9,15 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speccli.backends.llamacpp import _plan_tree, _TreeEntry
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
-from speccli.engine.events import StepEvent, TokenEvent
-from speccli.engine.llamacpp_backend import _plan_tree, _TreeEntry
-from speccli.engine.lookahead import LookaheadDrafter
-from speccli.engine.tree import TokenTree
+from speccli.drafters.lookahead import LookaheadDrafter
+from speccli.drafters.model import ModelDrafter
+from speccli.drafters.ngram import PromptLookupDrafter
+from speccli.events import StepEvent, TokenEvent
+from speccli.loop import SpeculativeDecoder
 from speccli.models import offline
 from speccli.models.errors import ModelLoadError
+from speccli.tree import TokenTree
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
 # Logits of the same token from passes of different shapes, or over a cache whose cells lie
@@ -93,13 +94,13 @@ def test_an_explicit_llama_cpp_backend_is_refused_with_a_hint_when_it_cannot_app
         loading.choose_backend(LoadConfig(backend="llama.cpp"), gguf, torch.device("cuda"))
     with pytest.raises(ModelLoadError, match="do not apply"):
         loading.choose_backend(LoadConfig(backend="llama.cpp", dtype="bfloat16"), gguf, cpu)
-    monkeypatch.setattr("speccli.engine.llamacpp_backend.llama_cpp_problem", lambda: "llama-cpp-python is not installed")
+    monkeypatch.setattr("speccli.backends.llamacpp.llama_cpp_problem", lambda: "llama-cpp-python is not installed")
     with pytest.raises(ModelLoadError, match="not available: llama-cpp-python is not installed") as error:
         loading.choose_backend(LoadConfig(backend="llama.cpp"), gguf, cpu)
     assert 'pip install "specgen[llamacpp]"' in error.value.hint
     # auto falls back to transformers, as it does for anything but a GGUF file on the CPU with no dtype asked for.
     assert loading.choose_backend(LoadConfig(), gguf, cpu) == "transformers"
-    monkeypatch.setattr("speccli.engine.llamacpp_backend.llama_cpp_problem", lambda: None)
+    monkeypatch.setattr("speccli.backends.llamacpp.llama_cpp_problem", lambda: None)
     assert loading.choose_backend(LoadConfig(), gguf, cpu) == "llama.cpp"
     assert loading.choose_backend(LoadConfig(dtype="float32"), gguf, cpu) == "transformers"
     assert loading.choose_backend(LoadConfig(), folder, cpu) == "transformers"
@@ -108,7 +109,7 @@ def test_an_explicit_llama_cpp_backend_is_refused_with_a_hint_when_it_cannot_app
 
 
 def test_heads_refuse_the_llama_cpp_backend():
-    from speccli.generation.pipeline import load_pipeline
+    from speccli.pipeline import load_pipeline
 
     with pytest.raises(ModelLoadError, match="hidden states") as error:
         load_pipeline("smollm2-135m", "eagle", LoadConfig(backend="llama.cpp"), LoadConfig(backend="llama.cpp"))
@@ -142,7 +143,7 @@ def _same_argmax_but_near_ties(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _lm(loaded):
-    from speccli.engine.llamacpp_backend import LlamaCppLM
+    from speccli.backends.llamacpp import LlamaCppLM
 
     return LlamaCppLM(loaded.model, n_ctx=512)
 
@@ -208,7 +209,7 @@ def test_a_rollback_equals_a_cache_that_never_held_the_tokens(smollm2):
 
 def test_long_prompts_decode_in_batches(smollm2):
     loaded, _ = smollm2
-    from speccli.engine.llamacpp_backend import LlamaCppLM
+    from speccli.backends.llamacpp import LlamaCppLM
 
     ids = (_ids(loaded) * 6)[:150]
     small = LlamaCppLM(loaded.model, n_ctx=512, n_batch=64)
@@ -224,7 +225,7 @@ def test_long_prompts_decode_in_batches(smollm2):
 
 def test_a_full_context_is_an_error_that_keeps_the_backend_usable(smollm2):
     loaded, _ = smollm2
-    from speccli.engine.llamacpp_backend import LlamaCppError, LlamaCppLM
+    from speccli.backends.llamacpp import LlamaCppError, LlamaCppLM
 
     lm = LlamaCppLM(loaded.model, n_ctx=256)
     assert lm.max_length == 256
@@ -418,7 +419,7 @@ def _greedy_alone(loaded, prompt: list[int], new_tokens: int, stop: set[int]) ->
 
 def test_a_batch_of_prompts_continues_each_as_it_would_alone(smollm2):
     loaded, _ = smollm2
-    from speccli.engine.llamacpp_backend import LlamaCppError, LlamaCppLM
+    from speccli.backends.llamacpp import LlamaCppError, LlamaCppLM
 
     prompts = [_ids(loaded), _ids(loaded, "The capital of France is"), _ids(loaded, "1, 2, 3, 4,"), _ids(loaded, "Hello")]
     stop = {int(_ids(loaded, ".")[0])}  # ends " Paris." early, not " 5, 6, 7, 8,"

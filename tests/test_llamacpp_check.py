@@ -1,4 +1,4 @@
-"""speccli.engine.llamacpp_check: a child process tries llama.cpp's repacked-weight kernels before
+"""speccli.models.llamacpp_check: a child process tries llama.cpp's repacked-weight kernels before
 specgen loads a model with them, where the build holds AMX kernels (which die of SIGILL on some
 CPUs); the verdict is cached per model file, build and CPU."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from speccli.engine import llamacpp_check
-from speccli.engine.llamacpp_check import Verdict, extra_buffers_verdict, verdict_of
+from speccli.models import llamacpp_check
+from speccli.models.llamacpp_check import Verdict, extra_buffers_verdict, verdict_of
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install \".[llamacpp]\")")
 

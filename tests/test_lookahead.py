@@ -1,4 +1,4 @@
-"""Lookahead decoding (speccli.engine.lookahead): the Jacobi window's shape and masks, how
+"""Lookahead decoding (speccli.drafters.lookahead): the Jacobi window's shape and masks, how
 it advances and fills the n-gram pool, the choice of its size from measured costs, and
 greedy output identical to the target's own."""
 
@@ -10,20 +10,14 @@ import pytest
 import torch
 
 from conftest import tiny_llama, wrap, wrap_static
+from speccli.autok.costs import CostProfile
+from speccli.autok.lookahead import DEFAULT_SHAPE, LookaheadGate, LookaheadShape, choose_shape, window_gain
+from speccli.autok.policy import DraftLengthPolicy
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.engine.calibration import CostProfile
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.events import StepEvent, TokenEvent
-from speccli.engine.lookahead import (
-    DEFAULT_SHAPE,
-    LookaheadDrafter,
-    LookaheadGate,
-    LookaheadShape,
-    choose_shape,
-    window_gain,
-)
-from speccli.engine.policy import DraftLengthPolicy
-from speccli.engine.tree import ROOT, TokenTree, TreeShape
+from speccli.drafters.lookahead import LookaheadDrafter
+from speccli.events import StepEvent, TokenEvent
+from speccli.loop import SpeculativeDecoder
+from speccli.tree import ROOT, TokenTree, TreeShape
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, encode
 
 
@@ -262,7 +256,7 @@ def virtual_clock(decoder: SpeculativeDecoder, seconds: dict[int, float]) -> Non
 
 def beside_prompt_lookup(target, tokenizer, costs: CostProfile) -> dict[str, SpeculativeDecoder]:
     """A lookahead decoder and a `--draft ngram` one over the same target, costs and virtual clock."""
-    from speccli.engine.drafters import PromptLookupDrafter
+    from speccli.drafters.ngram import PromptLookupDrafter
 
     decoders = {}
     for name, drafter in (("lookahead", LookaheadDrafter()), ("ngram", PromptLookupDrafter())):
@@ -288,7 +282,7 @@ def same_passes_as_prompt_lookup(decoders, target, tokenizer, spec: SpecConfig) 
 
 
 def test_where_no_shape_pays_lookahead_makes_the_passes_prompt_lookup_makes(pairs, tokenizer):
-    from speccli.engine.policy import DraftLengthByMatch
+    from speccli.autok.policy import DraftLengthByMatch
 
     # Passes over 2-17 tokens cost 1.6x one: no lookahead shape pays, drafts that come true do.
     costs = CostProfile({1: 0.1, **{fed: 0.16 for fed in range(2, 18)}}, None)
@@ -354,7 +348,7 @@ class LookupStub(DraftLengthPolicy):
     measured costs, and a record of what it learned."""
 
     def __init__(self, k: int, expected: float, verify: dict[int, float]) -> None:
-        from speccli.engine.policy import StepCosts
+        from speccli.autok.policy import StepCosts
 
         self.k, self._expected = k, expected
         self.costs = StepCosts()
@@ -530,7 +524,7 @@ class TestGate:
 
 
 def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
-    from speccli.engine.policy import FixedDraftLength
+    from speccli.autok.policy import FixedDraftLength
 
     decoder = SpeculativeDecoder(wrap(pairs[0].target), tokenizer, [EOS], LookaheadDrafter())
     decoder.costs = CostProfile({1: 0.1, **{fed: 0.12 for fed in range(2, 18)}}, None)

@@ -14,11 +14,12 @@ from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import char_tokenizer, perturbed_copy, save_model_folder, tiny_llama
+from speccli.backends.hf import HFCausalLM
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.engine.backends import HFCausalLM
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
-from speccli.engine.events import StepEvent, TokenEvent
+from speccli.drafters.model import ModelDrafter
+from speccli.drafters.ngram import PromptLookupDrafter
+from speccli.events import StepEvent, TokenEvent
+from speccli.loop import SpeculativeDecoder
 from speccli.models import loading, offline
 from speccli.models.errors import ModelLoadError
 from speccli.models.loading import (

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speccli.backends.hf import HFCausalLM
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.engine.backends import HFCausalLM
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter, PromptLookupDrafter
-from speccli.engine.events import StepEvent, TokenEvent
+from speccli.drafters.model import ModelDrafter
+from speccli.drafters.ngram import PromptLookupDrafter
+from speccli.events import StepEvent, TokenEvent
+from speccli.loop import SpeculativeDecoder
 from speccli.models import offline
 from speccli.models.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model

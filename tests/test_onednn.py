@@ -14,12 +14,11 @@ import torch.nn.functional as F
 
 from conftest import save_model_folder, tiny_llama, wrap
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter
-from speccli.engine.events import TokenEvent
-from speccli.models import loading
+from speccli.drafters.model import ModelDrafter
+from speccli.events import TokenEvent
+from speccli.loop import SpeculativeDecoder
+from speccli.models import loading, onednn
 from speccli.models.loading import load_model
-from speccli.models import onednn
 from speccli.models.onednn import (
     OneDnnLinear,
     TwoRowLinear,

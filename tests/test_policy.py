@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from speccli.autok.policy import AcceptancePrior, AdaptiveDraftLength, FixedDraftLength, StepCosts, expected_tokens
 from speccli.config import SpecConfig, parse_draft_length
-from speccli.engine.events import StepEvent
-from speccli.engine.policy import AcceptancePrior, AdaptiveDraftLength, FixedDraftLength, StepCosts, expected_tokens
+from speccli.events import StepEvent
 
 
 def step(drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> StepEvent:
@@ -275,8 +275,8 @@ XEON_FLOAT32 = {1: 0.248, 2: 0.285, 3: 0.305, 4: 0.312, 8: 0.346, 12: 0.372, 16:
 
 
 def lookup_policy():
-    from speccli.engine.drafters import LOOKUP_ACCEPTANCE
-    from speccli.engine.policy import DraftLengthByMatch
+    from speccli.autok.policy import DraftLengthByMatch
+    from speccli.drafters.ngram import LOOKUP_ACCEPTANCE
 
     policy = DraftLengthByMatch(lambda match: AdaptiveDraftLength(max_k=16, prior_acceptance=LOOKUP_ACCEPTANCE[match]))
     policy.costs.seed(XEON_FLOAT32, None)

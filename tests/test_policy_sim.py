@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from policy_sim import ACCEPTANCE, CURVES, compare, simulate, text
-from speccli.engine.policy import FixedDraftLength
+from speccli.autok.policy import FixedDraftLength
 
 SEEDS = (0, 1, 2)
 

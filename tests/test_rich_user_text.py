@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from speccli.commands.bench_runner import BenchProgress
+from speccli.bench.runner import BenchProgress
 from speccli.ui.progress import BenchProgressDisplay, TrainProgressDisplay
 
 

@@ -1,4 +1,4 @@
-"""Tests for speccli.engine.sampling: warping, the accept/resample primitives, and the
+"""Tests for speccli.verify: warping, the accept/resample primitives, and the
 greedy and sampled verification rules.
 
 The statistical tests check the property speculative sampling exists for: whatever the
@@ -17,7 +17,7 @@ import torch
 from scipy import stats
 
 from speccli.config import SamplingConfig
-from speccli.engine.sampling import (
+from speccli.verify import (
     Verdict,
     accept_mask,
     residual_distribution,

@@ -13,15 +13,15 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import char_tokenizer, perturbed_copy, save_model_folder, tiny_llama, wrap
+from speccli.api import Speculator
+from speccli.backends.hf import HFCausalLM
+from speccli.chat import ChatSession, ChatSettings
 from speccli.cli import app
-from speccli.commands.chat_session import ChatSession, ChatSettings
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.engine.backends import HFCausalLM
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter
-from speccli.engine.events import TokenEvent
-from speccli.generation.prompts import Prompt
-from speccli.generation.stream import Generator
+from speccli.drafters.model import ModelDrafter
+from speccli.events import TokenEvent
+from speccli.loop import SpeculativeDecoder
+from speccli.prompts import Prompt
 from test_chat import chat_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def folders(tmp_path_factory):
 
 def target_sample(folders, seed: int, temperature: float = 0.8) -> str:
     """The plain target's sample for this seed, in this process."""
-    generator = Generator.over(wrap(folders["target_model"]), folders["tokenizer"], [EOS])
+    generator = Speculator.over(wrap(folders["target_model"]), folders["tokenizer"], [EOS])
     sampling = SamplingConfig(temperature=temperature, seed=seed)
     return generator.stream(Prompt.of(PROMPT), sampling, SpecConfig(max_new_tokens=MAX_NEW), plain=True).run().text
 
@@ -108,7 +108,7 @@ def test_chat_answers_replay_for_a_seed_with_any_drafter(folders):
         target = HFCausalLM(model)
         drafter_ = ModelDrafter(HFCausalLM(draft_model), target.vocab_size) if drafter else None
         settings = ChatSettings.of(max_tokens=MAX_NEW, k=k)
-        chat = ChatSession(Generator(SpeculativeDecoder(target, tokenizer, [EOS], drafter_)), settings, None, model_info={})
+        chat = ChatSession(Speculator(SpeculativeDecoder(target, tokenizer, [EOS], drafter_)), settings, None, model_info={})
         chat.set("temperature", "0.9")
         chat.set("seed", "5")
         return chat
@@ -124,7 +124,7 @@ def test_chat_answers_replay_for_a_seed_with_any_drafter(folders):
     first, regen1, regen2, _ = runs[0]
     assert len({first, regen1, regen2}) > 1  # /regen draws a new sample (seed + n)
     # Answer n is the target's own sample with seed 5 + n.
-    plain = Generator.over(HFCausalLM(model), tokenizer, [EOS])
+    plain = Speculator.over(HFCausalLM(model), tokenizer, [EOS])
     ids = session(False, 4).prompt_ids([{"role": "user", "content": "hello"}])
     for n, text in enumerate([first, regen1, regen2]):
         sampling = SamplingConfig(temperature=0.9, seed=5 + n)

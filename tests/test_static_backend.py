@@ -1,4 +1,4 @@
-"""The static-cache backend (speccli.engine.static_backend): the same tokens and logits as
+"""The static-cache backend (speccli.backends.static): the same tokens and logits as
 the DynamicCache backend; rollback only moves the write position; CUDA graphs on CUDA."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import tiny_llama, wrap, wrap_static
+from speccli.backends.static import StaticCacheUnsupported, StaticCausalLM, static_cache_problem
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter
-from speccli.engine.events import StepEvent
-from speccli.engine.static_backend import StaticCacheUnsupported, StaticCausalLM, static_cache_problem
+from speccli.drafters.model import ModelDrafter
+from speccli.events import StepEvent
+from speccli.loop import SpeculativeDecoder
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, encode, target_greedy
 from test_decoder_state import assert_cache_matches_fresh_prefill
 
@@ -172,7 +172,7 @@ def loaded(model, device="cpu", dtype=torch.float32, quant="none"):
 
 
 def test_cuda_graphs_auto_picks_the_static_backend_only_on_cuda_in_half_precision_or_4_8_bit(pairs):
-    from speccli.generation.pipeline import uses_cuda_graphs
+    from speccli.pipeline import uses_cuda_graphs
 
     model = pairs[0].target
     assert not uses_cuda_graphs(loaded(model))  # the CPU keeps the DynamicCache path
@@ -186,8 +186,8 @@ def test_cuda_graphs_auto_picks_the_static_backend_only_on_cuda_in_half_precisio
 
 
 def test_the_cpu_pipeline_keeps_the_dynamic_cache(pairs):
-    from speccli.generation.pipeline import backend_label, causal_lm
-    from speccli.engine.backends import HFCausalLM
+    from speccli.backends.hf import HFCausalLM
+    from speccli.pipeline import backend_label, causal_lm
 
     lm = causal_lm(loaded(pairs[0].target))
     assert isinstance(lm, HFCausalLM) and backend_label(lm) == "dynamic-cache"
@@ -273,7 +273,7 @@ def test_graphed_decoding_equals_target_greedy_on_cuda(cuda_pair, tokenizer):
 
 @pytest.mark.cuda
 def test_graphed_tree_passes_give_the_eager_logits(tokenizer):
-    from speccli.engine.tree import ROOT, TokenTree
+    from speccli.tree import ROOT, TokenTree
 
     model = tiny_llama(len(tokenizer), seed=1, logit_scale=20.0).to(device="cuda")
     graphed = wrap_static(model, max_fed=9)
@@ -301,7 +301,7 @@ def test_graphed_tree_passes_give_the_eager_logits(tokenizer):
 
 @pytest.mark.cuda
 def test_graphed_trees_and_lookahead_equal_target_greedy_on_cuda(cuda_pair, tokenizer):
-    from speccli.engine.lookahead import LookaheadDrafter
+    from speccli.drafters.lookahead import LookaheadDrafter
 
     target = wrap_static(cuda_pair.target, max_fed=32)
     draft = wrap_static(cuda_pair.draft, max_fed=32)

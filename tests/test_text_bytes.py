@@ -19,13 +19,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import ON_CPU, save_model_folder, tiny_llama, wrap
+from speccli.backends.hf import HFCausalLM
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.engine.backends import HFCausalLM
-from speccli.engine.decoder import SpeculativeDecoder
-from speccli.engine.drafters import ModelDrafter
-from speccli.engine.events import FinishEvent, FinishReason, Provenance, StepEvent, TokenEvent
-from speccli.engine.text import OutputText
+from speccli.drafters.model import ModelDrafter
+from speccli.events import FinishEvent, FinishReason, Provenance, StepEvent, TokenEvent
+from speccli.loop import SpeculativeDecoder
 from speccli.stats import GenerationStats
+from speccli.text import OutputText
 
 # The commands here run with k auto (calibrating) unless told otherwise: keep it out of ~/.cache.
 pytestmark = pytest.mark.usefixtures("private_cache")
@@ -216,11 +216,11 @@ def test_held_stop_string_prefix_then_incomplete_character(byte_tok):
 
 
 def test_stream_generation_prints_the_held_text_on_ctrl_c(byte_tok, model, capsys):
-    from speccli.generation.stream import Generator
+    from speccli.api import Speculator
     from speccli.ui.plain import print_generation
 
     backend = InterruptedBackend(model, at=5)
-    generator = Generator(_decoder(model, byte_tok, drafted=False, backend=backend))
+    generator = Speculator(_decoder(model, byte_tok, drafted=False, backend=backend))
     sampling, spec = SamplingConfig(), SpecConfig(k=0, max_new_tokens=50)
     generation = generator.stream(byte_tok(PROMPT)["input_ids"], sampling, spec)
     finished = print_generation(SimpleNamespace(), generation, sampling, spec, as_json=False, show_stats=False)
@@ -262,14 +262,14 @@ def test_cli_stdout_and_json_end_inside_a_character(byte_tok, folder, tmp_path):
 def test_chat_shows_and_keeps_the_held_text_on_ctrl_c(byte_tok, model):
     import io
 
-    from speccli.commands.chat_session import ChatSession
-    from speccli.generation.stream import Generator
+    from speccli.api import Speculator
+    from speccli.chat import ChatSession
     from speccli.ui.chat import ChatUI
 
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     backend = InterruptedBackend(model, at=5)  # the user's "x" is the prompt, as in PROMPT
-    session = ChatSession(Generator(_decoder(model, tokenizer, drafted=False, backend=backend)))
+    session = ChatSession(Speculator(_decoder(model, tokenizer, drafted=False, backend=backend)))
     out, err = io.StringIO(), io.StringIO()
     ChatUI(session, out, err, out_colour=False, err_colour=False).stream_answer(session.ask(PROMPT))
     turn = session.last_turn

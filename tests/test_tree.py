@@ -1,4 +1,4 @@
-"""Token trees (speccli.engine.tree): their shape, the backends' tree passes and cache
+"""Token trees (speccli.tree): their shape, the backends' tree passes and cache
 compaction, greedy verification, and the multi-candidate rule's exactness (chi-square,
 with demonstrated power)."""
 
@@ -9,7 +9,8 @@ import torch
 
 from conftest import tiny_llama, wrap, wrap_static
 from speccli.config import SamplingConfig
-from speccli.engine.tree import (
+from speccli.drafters.trees import _candidates, trie
+from speccli.tree import (
     ROOT,
     TokenTree,
     TreeShape,
@@ -18,7 +19,6 @@ from speccli.engine.tree import (
     verify_tree_greedy,
     verify_tree_sampled,
 )
-from speccli.engine.tree_drafters import _candidates, trie
 from test_sampling import POWER_P, assert_follows, fit, normalised
 
 # 0 -> 1 -> 3
@@ -179,9 +179,9 @@ class TestNodeCount:
 
 def test_the_draft_keeps_the_accepted_path_it_was_fed(pairs, tokenizer):
     from speccli.config import SpecConfig
-    from speccli.engine.decoder import SpeculativeDecoder
-    from speccli.engine.drafters import ModelDrafter
-    from speccli.engine.events import TokenEvent
+    from speccli.drafters.model import ModelDrafter
+    from speccli.events import TokenEvent
+    from speccli.loop import SpeculativeDecoder
 
     pair = pairs[0]
     draft_lm = wrap(pair.draft)

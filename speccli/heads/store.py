@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from speccli.errors import UsageError
-from speccli.heads.eagle import EagleHead
-from speccli.heads.medusa import MedusaHeads
-from speccli.heads.vocab import DraftVocab
+from speccli.drafters.eagle_layer import EagleHead
+from speccli.drafters.medusa_heads import MedusaHeads
+from speccli.drafters.draft_vocab import DraftVocab
 
 FORMAT = "1"
 KINDS = ("medusa", "eagle")

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speccli.heads.eagle import EagleHead, additive_mask
+from speccli.drafters.eagle_layer import EagleHead, additive_mask
 from speccli.heads.features import Features
-from speccli.heads.medusa import MedusaHeads
+from speccli.drafters.medusa_heads import MedusaHeads
 from speccli.heads.store import Heads
-from speccli.heads.vocab import IGNORE, DraftVocab
+from speccli.drafters.draft_vocab import IGNORE, DraftVocab
 
 CHECKPOINT_SECONDS = 60.0
 MEDUSA_DECAY = 0.8  # head i's loss weighs 0.8^i (Medusa-1)

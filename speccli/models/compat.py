@@ -5,7 +5,7 @@ both tokenizers know must mean the same token string, and the special tokens mus
 agree. One tokenizer may know more ids than the other (tokens appended at the end),
 and the models' embedding matrices may be padded to different sizes: the draft then
 proposes, and is fed, only the ids both know (:func:`shared_vocab`; the drafter
-aligns the logits, see ``engine.drafters.align_vocab``).
+aligns the logits, see ``drafters.base.align_vocab``).
 """
 
 from __future__ import annotations

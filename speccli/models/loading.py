@@ -37,7 +37,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -50,6 +49,7 @@ import torch
 
 from speccli.config import LoadConfig
 from speccli.models import offline
+from speccli.models.cpu import cpu_name, cpuinfo_field
 from speccli.models.errors import ModelLoadError
 from speccli.models.int8 import int8_problem, quantize_int8
 from speccli.models.onednn import (
@@ -198,25 +198,8 @@ def choose_device(requested: str) -> torch.device:
     raise ModelLoadError(f"unknown device {requested!r}", hint="use auto, cpu, cuda or cuda:N")
 
 
-def _cpuinfo_field(name: str) -> str | None:
-    """The first value of a /proc/cpuinfo field (Linux), else None."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(name):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def _cpu_flags() -> set[str]:
-    return set((_cpuinfo_field("flags") or "").split())
-
-
-def cpu_name() -> str:
-    """The processor's model name, for records of where something was measured."""
-    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    return set((cpuinfo_field("flags") or "").split())
 
 
 @functools.lru_cache(maxsize=None)
@@ -373,7 +356,7 @@ def choose_backend(config: LoadConfig, resolved: ResolvedModel, device: torch.de
     """"transformers" or "llama.cpp". auto takes llama.cpp for a GGUF file on the CPU when
     llama-cpp-python is installed and no --dtype or --quant asks for transformers' own
     dequantized weights; an explicit llama.cpp that cannot apply is a ModelLoadError."""
-    from speccli.engine.llamacpp_backend import INSTALL_HINT, llama_cpp_problem
+    from speccli.backends.llamacpp import INSTALL_HINT, llama_cpp_problem
 
     if config.backend == "transformers":
         return "transformers"
@@ -770,8 +753,8 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
 
 
 def _load_llama_cpp(pending: PendingModel, say: Progress, started: float) -> LoadedModel:
-    from speccli.engine.llamacpp_backend import LlamaCppError, LlamaCppWeights
-    from speccli.engine.llamacpp_check import extra_buffers_verdict
+    from speccli.backends.llamacpp import LlamaCppError, LlamaCppWeights
+    from speccli.models.llamacpp_check import extra_buffers_verdict
 
     path = pending.resolved.gguf_path
     say(f"loading {pending.name}: {pending.resolved.gguf_file} through llama.cpp on cpu (memory-mapped)")

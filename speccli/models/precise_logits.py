@@ -3,7 +3,7 @@
 A bfloat16 logit between 16 and 32 moves in steps of 0.125, so every pair of candidates
 closer than that becomes a coin toss, and a pass over k + 1 tokens may toss it otherwise
 than a pass over one: speculative and plain decoding then part at a near-tie
-(speccli.commands.divergence). Returning the whole output layer in float32 would cost a
+(speccli.bench.divergence). Returning the whole output layer in float32 would cost a
 float32 matrix product over the vocabulary (and, on the CPU, a float32 copy of the weights).
 Instead the product runs in the model's dtype as before, and its `CANDIDATES` highest
 logits of each row are computed again in float32 from the same weights and hidden state:

@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from speccli.commands.bench_results import BenchResults, BenchSummary
-from speccli.ui.consoles import PipeAwareConsole
+from speccli.bench.results import BenchResults, BenchSummary
 from speccli.errors import UsageError
+from speccli.ui.consoles import PipeAwareConsole
 
 FORMATS = ("table", "json", "csv", "md")
 

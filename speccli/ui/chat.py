@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
-from speccli.commands.chat_session import (
+from speccli.chat import (
     Answer,
     DEFAULT_BASELINE_BUDGET,
     DEFAULT_BASELINE_TOKENS,
@@ -29,7 +29,7 @@ from speccli.commands.chat_session import (
 )
 from speccli.config import AUTO_K
 from speccli.errors import UsageError
-from speccli.generation.prompts import has_chat_template
+from speccli.prompts import has_chat_template
 from speccli.ui.live import (
     ERROR_STYLE,
     LEGEND,
@@ -425,10 +425,10 @@ def run_chat(
 ) -> int:
     """Chat until the user leaves; returns the exit code (0).
 
-    pipeline: a loaded speccli.generation.pipeline.Pipeline, or a function of no arguments that loads
+    pipeline: a loaded speccli.pipeline.Pipeline, or a function of no arguments that loads
     one; given a function, the settings are checked before the (slow) load.
     color: None (or True) = automatic: a terminal and NO_COLOR unset; False = never (--no-color).
-    progress, recalibrate: for the calibration of `k auto` (see Pipeline.generator).
+    progress, recalibrate: for the calibration of `k auto` (see Pipeline.speculator).
     Raises UsageError (one line, exit 2) for a bad setting or a model without a chat
     template, before anything is read."""
     stdin = sys.stdin if stdin is None else stdin
@@ -447,11 +447,11 @@ def run_chat(
             f"{pipeline.target.name} has no chat template, so it cannot chat",
             "use an instruction-tuned (chat) model, or `specgen generate` for plain continuation",
         )
-    generator = pipeline.generator(progress, recalibrate)
+    speculator = pipeline.speculator(progress, recalibrate)
     if settings.spec.k == AUTO_K:
-        generator.calibrate(settings.spec.max_k)  # now, rather than after the first question
+        speculator.calibrate(settings.spec.max_k)  # now, rather than after the first question
     session = ChatSession(
-        generator, settings, system,
+        speculator, settings, system,
         baseline_tokens=baseline_tokens, baseline_budget=baseline_budget, model_info=pipeline.model_info(),
     )
     off = False if color is False else None

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, TextIO
 
-from speccli.engine.events import Event, Provenance, TokenEvent
+from speccli.events import Event, Provenance, TokenEvent
 from speccli.stats import GenerationStats
 from speccli.ui.plain import fmt_optional
 
 if TYPE_CHECKING:  # pragma: no cover
-    from speccli.chat_session import SessionReport
+    from speccli.chat import SessionReport
 
 # Rich style names per provenance ("" = the terminal's own colour).
 STYLES: dict[Provenance, str] = {

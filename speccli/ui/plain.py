@@ -10,14 +10,14 @@ from typing import TextIO
 from typing import TYPE_CHECKING
 
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.engine.events import Event, TokenEvent
+from speccli.events import Event, TokenEvent
 from speccli.stats import GenerationStats
 
 from speccli.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from speccli.generation.pipeline import Pipeline
-    from speccli.generation.stream import Generation
+    from speccli.api import Generation
+    from speccli.pipeline import Pipeline
 
 
 class PlainTextRenderer:

@@ -57,7 +57,7 @@ class _BarDisplay:
 
 
 class BenchProgressDisplay(_BarDisplay):
-    """Shows speccli.commands.bench_runner.BenchProgress events: a Rich progress bar on a
+    """Shows speccli.bench.runner.BenchProgress events: a Rich progress bar on a
     terminal, otherwise one line per event through `say`."""
 
     def __init__(self, say: Callable[[str], None], bar: bool) -> None:

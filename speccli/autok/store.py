@@ -1,0 +1,315 @@
+"""Calibrate a loaded pipeline's pass costs once per target and device, and keep the result
+on disk (``<cache>/calibration/<key>.json``) so later sessions start from it, whichever the
+drafter. A draft model's token cost is kept apart (``<cache>/calibration/draft/<key>.json``),
+once per draft model and device.
+
+Beside them (``<cache>/calibration/acceptance/<key>.json``, keyed by the target's calibration
+and the drafter: see prior_identity) lies what `k auto` learned about the draft's acceptance
+by position, saved after each generation (`remember`) and read back with the calibration to
+seed the next session's policy. Any of these files, missing or damaged, only costs what it
+would have saved. A calibration that a generation's own passes show was measured on a
+busier machine is dropped and measured again (`drop_if_overstated`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol, TypeVar
+
+import torch
+
+from speccli.autok.costs import CONTEXT_TOKENS, ROUNDS, CostProfile, measure_costs, measure_draft_seconds
+from speccli.autok.policy import AcceptancePrior
+from speccli.backends.llamacpp import llama_cpp_version
+from speccli.loop import SpeculativeDecoder
+from speccli.models import offline
+from speccli.models.loading import LoadedModel, cpu_name, dtype_name
+
+T = TypeVar("T")
+
+
+class LoadedPair(Protocol):
+    """What calibrating needs of a loaded pipeline (speccli.pipeline.Pipeline)."""
+
+    target: LoadedModel
+    draft: LoadedModel | None  # the draft model, if the drafter has one
+    drafter_name: str
+    decoder: SpeculativeDecoder
+
+# 4: 8 rounds; 3: 3 rounds of each size's median ratio to a one-token pass timed just before
+# it; 2: the fastest round; 1: the median
+FORMAT = 4
+PROGRESS_EVERY = 20.0  # seconds between the calibration's progress lines, after the first
+
+
+class RoundProgress:
+    """Says how a calibration goes: after its first timed round, the time it will take, then
+    at most one line every PROGRESS_EVERY seconds (it takes a minute or two on a CPU, all
+    of it before the first token of `chat`)."""
+
+    def __init__(self, say: Callable[[str], None], clock: Callable[[], float] = time.perf_counter) -> None:
+        self.say = say
+        self.clock = clock
+        self.warmed_at: float | None = None
+        self.said_at: float | None = None
+
+    def __call__(self, done: int, rounds: int) -> None:
+        now = self.clock()
+        if done == 0:  # the warm-up: slower than the rounds after it, so not a measure of them
+            self.warmed_at = now
+            return
+        if self.warmed_at is None or done == rounds:
+            return
+        if self.said_at is not None and now - self.said_at < PROGRESS_EVERY:
+            return
+        left = (now - self.warmed_at) / done * (rounds - done)
+        self.said_at = now
+        self.say(f"calibrating: round {done} of {rounds} done, about {left:.0f} s left")
+
+
+def _model_identity(model: LoadedModel) -> dict[str, Any]:
+    identity: dict[str, Any] = {
+        "name": model.name,
+        "location": f"{model.resolved.location}/{model.resolved.gguf_file or ''}",
+        "dtype": dtype_name(model.dtype),
+        "quant": model.quant,
+        "linear": model.linear,
+        "device": str(model.device),
+        "backend": model.backend,
+    }
+    if model.stock_rows:  # which kernel takes a pass's rows: its costs
+        identity["stock_rows"] = model.stock_rows
+    return identity
+
+
+def _machine_identity(model: LoadedModel) -> dict[str, Any]:
+    """The hardware, threads and library versions a model's passes were timed on."""
+    import transformers
+
+    device = model.device
+    return {
+        "hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        **({"llama_cpp": llama_cpp_version()} if model.backend == "llama.cpp" else {}),
+    }
+
+
+def calibration_identity(pipeline: LoadedPair, max_fed: int) -> dict[str, Any]:
+    """Everything the target's measured pass costs depend on: the target as loaded, the
+    hardware, the threads and the library versions. Every drafter times the same target
+    passes, so they share one calibration per target: switching drafters (a draft model,
+    prompt lookup, lookahead, heads) does not measure them again. A draft model's token
+    is timed apart (draft_identity)."""
+    return {
+        "format": FORMAT,
+        "target": _model_identity(pipeline.target),
+        "draft": None,
+        "max_fed": max_fed,
+        **_machine_identity(pipeline.target),
+    }
+
+
+def draft_identity(draft: LoadedModel) -> dict[str, Any]:
+    """What a draft model's measured token cost depends on: the draft as loaded, the hardware,
+    the threads and the library versions (not the target: it is timed alone)."""
+    return {"format": FORMAT, "draft": _model_identity(draft), "context_tokens": CONTEXT_TOKENS,
+            **_machine_identity(draft)}
+
+
+def prior_identity(pipeline: LoadedPair, max_fed: int) -> dict[str, Any]:
+    """What an acceptance prior belongs to: the target's calibration and the drafter (the
+    draft model as loaded, or the name of a drafter without one)."""
+    identity = calibration_identity(pipeline, max_fed)
+    identity["draft"] = _model_identity(pipeline.draft) if pipeline.draft else pipeline.drafter_name
+    return identity
+
+
+def calibration_path(identity: dict[str, Any], cache_dir: Path | None = None) -> Path:
+    root = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
+    return root / "calibration" / f"{offline.identity_digest(identity)}.json"
+
+
+def draft_cost_path(identity: dict[str, Any], cache_dir: Path | None = None) -> Path:
+    """Where a draft model's token cost (draft_identity) lies: ``calibration/draft/<key>.json``."""
+    path = calibration_path(identity, cache_dir)
+    return path.parent / "draft" / path.name
+
+
+def _read_entry(path: Path, identity: dict[str, Any], parse: Callable[[dict[str, Any]], T | None]) -> T | None:
+    """What `parse` reads from the JSON file at `path` if it was written for `identity`; None if
+    the file is missing, damaged, another identity's, or `parse` finds it invalid."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("identity") != identity:
+            return None
+        return parse(data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # missing or damaged: measure again
+
+
+def _write_entry(path: Path, identity: dict[str, Any], entry: dict[str, Any], stamp: str = "measured") -> None:
+    """Write `entry` for `identity` at `path`, with the time under `stamp`."""
+    offline.write_json(path, {"identity": identity, stamp: time.strftime("%Y-%m-%dT%H:%M:%S%z"), **entry})
+
+
+def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:
+    return _read_entry(path, identity, lambda data: CostProfile.from_dict(data["costs"]))
+
+
+def _write(path: Path, identity: dict[str, Any], costs: CostProfile) -> None:
+    _write_entry(path, identity, {"costs": costs.as_dict()})
+
+
+def _positive_seconds(data: dict[str, Any]) -> float | None:
+    seconds = float(data["draft_seconds"])
+    return seconds if 0 < seconds < float("inf") else None
+
+
+def _read_draft_seconds(path: Path, identity: dict[str, Any]) -> float | None:
+    return _read_entry(path, identity, _positive_seconds)
+
+
+def _write_draft_seconds(path: Path, identity: dict[str, Any], seconds: float) -> None:
+    _write_entry(path, identity, {"draft_seconds": seconds})
+
+
+def prior_path(calibration: Path) -> Path:
+    """Where the acceptance prior lies whose identity (prior_identity) keys `calibration`:
+    ``acceptance/<key>.json`` beside it."""
+    return calibration.parent / "acceptance" / calibration.name
+
+
+def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
+    """The acceptance prior saved at `path` for this identity; None if missing or damaged."""
+    return _read_entry(path, identity, _learned_prior_from)
+
+
+def _learned_prior_from(data: dict[str, Any]) -> AcceptancePrior | None:
+    prior = _prior_from(data)
+    by_match = tuple((int(match), _prior_from(entry)) for match, entry in data.get("by_match", {}).items())
+    if prior is None or any(learned is None for _, learned in by_match):
+        return None
+    opening = _prior_from(data["opening"]) if "opening" in data else None
+    if "opening" in data and opening is None:
+        return None
+    return AcceptancePrior(prior.acceptance, prior.steps, by_match, opening)
+
+
+def _prior_from(data: dict[str, Any]) -> AcceptancePrior | None:
+    acceptance = tuple(float(a) for a in data["acceptance"])
+    steps = float(data["steps"])
+    if not acceptance or not all(0.0 <= a <= 1.0 for a in acceptance) or not 0.0 <= steps < float("inf"):
+        return None
+    return AcceptancePrior(acceptance, steps)
+
+
+def _prior_payload(prior: AcceptancePrior) -> dict[str, Any]:
+    return {"acceptance": [round(a, 4) for a in prior.acceptance], "steps": prior.steps}
+
+
+def remember(
+    pipeline: LoadedPair, max_k: int, cache_dir: Path | None = None, decoder: SpeculativeDecoder | None = None
+) -> AcceptancePrior | None:
+    """Save what `decoder` (default: the pipeline's) learned about the draft's acceptance
+    (with the prior it started from), beside the calibration for `max_k`."""
+    learned = (decoder or pipeline.decoder).learned()
+    if learned is None:
+        return None
+    identity = prior_identity(pipeline, max_k + 1)
+    entry = _prior_payload(learned)
+    if learned.by_match:
+        entry["by_match"] = {str(match): _prior_payload(prior) for match, prior in learned.by_match}
+    if learned.opening is not None:
+        entry["opening"] = _prior_payload(learned.opening)
+    _write_entry(prior_path(calibration_path(identity, cache_dir)), identity, entry, stamp="saved")
+    return learned
+
+
+def drop_if_overstated(
+    pipeline: LoadedPair, max_k: int, cache_dir: Path | None = None, decoder: SpeculativeDecoder | None = None
+) -> str | None:
+    """After a generation with `k auto` by `decoder` (default: the pipeline's): when its passes
+    ran well below what the calibration says they cost (it was measured on a busier machine),
+    delete the cached calibration (and the draft model's token cost, timed with it) and take
+    it from the decoder, so that the next generation, here or in a later session, measures
+    again. Returns what to tell the user, or None when the calibration holds."""
+    decoder = decoder or pipeline.decoder
+    if decoder.costs is None:
+        return None
+    found = decoder.pass_times.overstatement(decoder.costs)
+    if found is None:
+        return None
+    paths = [calibration_path(calibration_identity(pipeline, max_k + 1), cache_dir)]
+    if pipeline.draft is not None:  # its token was timed on the same busy machine, most likely
+        paths.append(draft_cost_path(draft_identity(pipeline.draft), cache_dir))
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # read-only cache: this session still measures again
+    decoder.costs = None
+    return (f"the cached pass costs were measured on a busier machine: {found.fed}-token passes took"
+            f" {found.measured_seconds * 1000:.0f} ms, not {found.calibrated_seconds * 1000:.0f} ms;"
+            " they are measured again before the next generation")
+
+
+def calibrate(
+    pipeline: LoadedPair,
+    max_k: int,
+    progress: Callable[[str], None] | None = None,
+    refresh: bool = False,
+    cache_dir: Path | None = None,
+) -> CostProfile | None:
+    """Give the pipeline's decoder measured costs for `k=auto`: from the cache, else by
+    measuring now (a minute or two on a CPU) and caching; and the acceptance prior saved
+    beside them, if any. None when there is no drafter."""
+    decoder = pipeline.decoder
+    if decoder.drafter is None:
+        return None
+    say = progress or (lambda message: None)
+    max_fed = max_k + 1
+    identity = calibration_identity(pipeline, max_fed)
+    path = calibration_path(identity, cache_dir)
+    costs = None if refresh else _read(path, identity)
+    # A draft model's token is timed apart from the target's passes, and cached apart.
+    draft_model = decoder.drafter.draft_model if decoder.drafter is not None and pipeline.draft else None
+    drafted = draft_identity(pipeline.draft) if draft_model is not None else None
+    draft_path = draft_cost_path(drafted, cache_dir) if drafted is not None else None
+    draft_seconds = None if draft_path is None or refresh else _read_draft_seconds(draft_path, drafted)
+    time_draft = draft_model is not None and draft_seconds is None
+    started = time.perf_counter() if costs is None or time_draft else None
+    if costs is None:
+        say(f"calibrating: timing target passes over 1-{max_fed} tokens{' and one draft token' if time_draft else ''}"
+            f" in {ROUNDS} rounds (once per target and device; a minute or two on a CPU)")
+        measured = measure_costs(decoder.target, draft_model if time_draft else None, max_fed,
+                                 on_round=RoundProgress(say))
+        costs = CostProfile(measured.verify_seconds, None)
+        _write(path, identity, costs)
+        draft_seconds = measured.draft_seconds if time_draft else draft_seconds
+    elif time_draft:
+        say("calibrating: timing one draft token (the target's passes are calibrated already)")
+        draft_seconds = measure_draft_seconds(draft_model)
+    if time_draft:
+        _write_draft_seconds(draft_path, drafted, draft_seconds)
+    costs = CostProfile(costs.verify_seconds, draft_seconds)
+    if started is not None:
+        say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(costs)}")
+    beside = prior_identity(pipeline, max_fed)
+    decoder.prior = read_prior(prior_path(calibration_path(beside, cache_dir)), beside)
+    decoder.costs = costs
+    return costs
+
+
+def describe(costs: CostProfile) -> str:
+    sizes = sorted(costs.verify_seconds)
+    first, last = sizes[0], sizes[-1]
+    text = (f"a target pass costs {costs.verify_seconds[first] * 1000:.0f} ms for {first} token(s),"
+            f" {costs.verify_seconds[last] * 1000:.0f} ms for {last}")
+    if costs.draft_seconds is not None:
+        text += f"; a draft token {costs.draft_seconds * 1000:.0f} ms"
+    return text

@@ -1,0 +1,92 @@
+"""What the decode loop needs of a model: score new tokens against the cached context,
+and forget the cache past a length. The backends (speccli.backends.hf, .static, .llamacpp)
+implement it; the checks they all make of their arguments are here."""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+
+class CausalLM(Protocol):
+    """A causal language model with a KV cache, at batch size 1."""
+
+    # Seconds of one-time setup spent inside passes so far (a CUDA graph captured on first
+    # use): the decoder keeps them out of the steps' timings.
+    setup_seconds: float
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def cached_tokens(self) -> Sequence[int]:
+        """The token ids the cache currently holds, in order."""
+        ...
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest context the model supports, if known."""
+        ...
+
+    def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
+        """Append `token_ids` to the cache and return float32 logits [n, V] for each of
+        them (or [1, V] for the last one only when all_logits is False)."""
+        ...
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens."""
+        ...
+
+    def forward_tree(
+        self, token_ids: Sequence[int], positions: Sequence[int], visible: torch.Tensor, window_start: int
+    ) -> torch.Tensor:
+        """Append `token_ids` at the given positions, each attending to every cached entry
+        before `window_start` and to the entries from there on (cached ones, then the new
+        ones) where its row of `visible` ([n, cached - window_start + n], bool) is True.
+        Returns float32 logits [n, V]. The cache then holds them all, in fed order, until
+        `keep` or `rollback` says which stay."""
+        ...
+
+    def keep(self, start: int, offsets: Sequence[int]) -> None:
+        """Keep the first `start` cached entries followed by those at start + each offset
+        (ascending), moved into place; forget the rest."""
+        ...
+
+
+class FeatureLM(CausalLM, Protocol):
+    """A CausalLM that can also hand out its last hidden states (the features the output
+    layer turns into logits), for drafters that draft from them (Medusa, EAGLE)."""
+
+    def capture_hidden(self) -> None:
+        """From now on, keep each pass's last hidden states (none are kept by default)."""
+        ...
+
+    @property
+    def last_hidden(self) -> torch.Tensor:
+        """[n, hidden] for every token fed by the latest forward / forward_tree (prompts
+        included, whatever `all_logits` said)."""
+        ...
+
+
+def check_tree_pass(token_ids: Sequence[int], positions: Sequence[int]) -> None:
+    """forward_tree's arguments, as every backend requires them."""
+    if not token_ids or len(positions) != len(token_ids):
+        raise ValueError("forward_tree() needs one position per token, and a token")
+
+
+def check_kept_offsets(start: int, offsets: list[int], cached: int) -> None:
+    """keep's offsets: ascending, distinct, and within the `cached` entries past `start`."""
+    if offsets != sorted(set(offsets)) or (offsets and (offsets[0] < 0 or start + offsets[-1] >= cached)):
+        raise ValueError(f"cannot keep offsets {offsets} past {start} of {cached} cached entries")
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

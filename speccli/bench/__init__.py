@@ -1,0 +1,1 @@
+"""`specgen bench` without the terminal: prompts, side-by-side runs, results, divergences."""

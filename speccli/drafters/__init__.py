@@ -1,0 +1,1 @@
+"""Drafters: where candidate tokens come from (draft model, prompt lookup, lookahead, heads, trees)."""

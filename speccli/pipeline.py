@@ -1,0 +1,221 @@
+"""Wiring between loaded models and the engine: a target and a draft choice loaded, checked
+and put behind one decoder, and the Speculator every surface generates through."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from speccli.backends.base import CausalLM
+from speccli.backends.hf import HFCausalLM
+from speccli.backends.llamacpp import LlamaCppLM
+from speccli.backends.static import StaticCausalLM, static_cache_problem
+from speccli.config import LoadConfig
+from speccli.drafters.base import Drafter
+from speccli.drafters.model import DEFAULT_STOP_CONFIDENCE, ModelDrafter
+from speccli.drafters.registry import DRAFTERS
+from speccli.loop import SpeculativeDecoder
+from speccli.models.compat import check_tokenizers_compatible, shared_vocab
+from speccli.models.loading import LoadedModel, dtype_name, load_tokenizer, load_weights
+
+if TYPE_CHECKING:  # pragma: no cover
+    from speccli.api import Speculator
+
+NO_DRAFT = "none"
+HEAD_DRAFTS = ("medusa", "eagle")
+
+
+def head_draft(name: str) -> tuple[str, Path | None] | None:
+    """(kind, path or None) for `medusa[:PATH]` / `eagle[:PATH]`; None for any other draft."""
+    kind, colon, path = name.strip().partition(":")
+    if kind.lower() not in HEAD_DRAFTS or (colon and not path):
+        return None
+    return kind.lower(), Path(path).expanduser() if path else None
+
+
+@dataclass
+class Pipeline:
+    """A loaded target, its drafter, and the decoder over them."""
+
+    target: LoadedModel
+    draft: LoadedModel | None
+    drafter_name: str
+    decoder: SpeculativeDecoder
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def draft_label(self) -> str:
+        """The draft model's name, or the drafter's (`ngram`, `lookahead`, `none`) when there is no model."""
+        return self.draft.name if self.draft else self.drafter_name
+
+    def speculator(self, progress: Callable[[str], None] | None = None, recalibrate: bool = False) -> Speculator:
+        """The Speculator over this pipeline's decoder. `k auto` calibrates through the
+        on-disk cache (speccli.autok.store) the first time it is asked for, and
+        what it learns about the draft's acceptance is kept there after each generation; a
+        calibration the generation's own passes show overstated is dropped, to be measured again."""
+        from speccli.api import Speculator
+        from speccli.autok.store import calibrate, drop_if_overstated, remember
+
+        def after_generation(decoder: SpeculativeDecoder, max_k: int) -> str | None:
+            remember(self, max_k, decoder=decoder)
+            return drop_if_overstated(self, max_k, decoder=decoder)
+
+        return Speculator(
+            self.decoder,
+            lambda max_k: calibrate(self, max_k, progress, refresh=recalibrate),
+            after_generation,
+            notify=progress,
+        )
+
+    def model_info(self) -> dict[str, str]:
+        """What ran, for saved sessions and benchmark reports."""
+        return {
+            "target": self.target.name,
+            "draft": self.draft_label,
+            "drafter": self.drafter_name,
+            "dtype": dtype_name(self.target.dtype),
+            "device": str(self.target.device),
+            "quant": self.target.quant,
+            "draft_quant": self.draft.quant if self.draft else "none",
+            "linear": self.target.linear,
+            "backend": backend_label(self.decoder.target),
+        }
+
+
+def load_pipeline(
+    target_name: str,
+    draft_name: str,
+    target_config: LoadConfig,
+    draft_config: LoadConfig,
+    progress: Callable[[str], None] | None = None,
+) -> Pipeline:
+    """Load the target and (unless the draft is one of DRAFTERS, heads or `none`) the draft model,
+    refuse tokenizers that disagree, and build the decoder.
+
+    Both tokenizers are loaded and compared before any weights, so that a mismatched
+    draft is refused in seconds."""
+    key = draft_name.strip().lower()
+    heads = head_draft(draft_name)
+    if heads is not None:
+        target_config = _transformers_for_heads(target_config, heads[0])
+    pending_target = load_tokenizer(target_name, target_config, progress=progress)
+    pending_draft = None
+    if key not in DRAFTERS and key != NO_DRAFT and heads is None:
+        pending_draft = load_tokenizer(draft_name, draft_config, progress=progress)
+        check_tokenizers_compatible(pending_target.tokenizer, pending_draft.tokenizer)
+
+    target = load_weights(pending_target, progress)
+    target_lm = causal_lm(target, target_config.cuda_graphs)
+    draft: LoadedModel | None = None
+    drafter: Drafter | None
+    if key in DRAFTERS:
+        drafter = DRAFTERS[key]()
+    elif heads is not None:
+        drafter = head_drafter(target, *heads, progress=progress)
+    elif pending_draft is None:
+        drafter = None
+    else:
+        draft = load_weights(pending_draft, progress)
+        drafter = model_drafter(target_lm, target.tokenizer, draft, cuda_graphs=draft_config.cuda_graphs)
+    decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
+    return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
+
+
+def _transformers_for_heads(config: LoadConfig, kind: str) -> LoadConfig:
+    """Heads read the target's hidden states, which only the transformers backends hand out."""
+    from speccli.models.errors import ModelLoadError
+
+    if config.backend == "llama.cpp":
+        raise ModelLoadError(
+            f"{kind} heads read the target's hidden states, which the llama.cpp backend does not hand out",
+            hint="use --backend transformers (or auto) with --draft medusa/eagle",
+        )
+    return replace(config, backend="transformers")
+
+
+def uses_cuda_graphs(loaded: LoadedModel, cuda_graphs: str = "auto") -> bool:
+    """Whether `cuda_graphs` (auto/off) puts this model on the static-cache backend with CUDA
+    graphs: auto does on CUDA for bfloat16/float16 weights and bitsandbytes 4/8-bit models, when
+    the model's layers are all full attention over sdpa or eager attention. A model on the CPU
+    never does: there transformers' DynamicCache is what runs fastest."""
+    if cuda_graphs == "off" or torch.device(loaded.device).type != "cuda":
+        return False
+    if loaded.quant not in ("4bit", "8bit") and loaded.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return static_cache_problem(loaded.model) is None
+
+
+def causal_lm(loaded: LoadedModel, cuda_graphs: str = "auto") -> CausalLM:
+    """The backend a loaded model decodes through: llama.cpp for a model loaded by it, else
+    transformers (see `uses_cuda_graphs`)."""
+    if loaded.backend == "llama.cpp":
+        return LlamaCppLM(loaded.model)
+    if uses_cuda_graphs(loaded, cuda_graphs):
+        return StaticCausalLM(loaded.model, graphs=True)
+    return HFCausalLM(loaded.model)
+
+
+def backend_label(lm: CausalLM) -> str:
+    """llama.cpp, dynamic-cache, static-cache, or static-cache+cuda-graphs (for reports)."""
+    if isinstance(lm, LlamaCppLM):
+        return "llama.cpp"
+    if isinstance(lm, StaticCausalLM):
+        return "static-cache+cuda-graphs" if lm.graphs_enabled else "static-cache"
+    return "dynamic-cache"
+
+
+def model_drafter(
+    target_lm: CausalLM,
+    target_tokenizer: Any,
+    draft: LoadedModel,
+    stop_confidence: float = DEFAULT_STOP_CONFIDENCE,
+    cuda_graphs: str = "auto",
+) -> ModelDrafter:
+    """A drafter over ``draft`` for that target, proposing only ids both tokenizers know
+    (the tokenizers must have passed ``check_tokenizers_compatible``)."""
+    shared = shared_vocab(target_tokenizer, draft.tokenizer)
+    return ModelDrafter(
+        causal_lm(draft, cuda_graphs),
+        target_lm.vocab_size,
+        stop_confidence,
+        shared_vocab=shared.size,
+        substitute_id=shared.substitute_id,
+    )
+
+
+def head_drafter(
+    target: LoadedModel, kind: str, path: Path | None = None, progress: Callable[[str], None] | None = None,
+) -> Drafter:
+    """A Medusa or EAGLE drafter for the loaded target, from `path` or from where `specgen
+    train` saves heads for it. Heads trained for another target are refused (HeadsMismatch)."""
+    from speccli.drafters.heads import EagleDrafter, MedusaDrafter
+    from speccli.heads.store import HeadsMismatch, default_heads_path, load_heads
+    from speccli.models import offline
+
+    if path is None:
+        path = default_heads_path(offline.default_cache_dir(), target.name, kind)
+        if not path.is_file():
+            raise HeadsMismatch(
+                f"no {kind} heads trained for {target.name} (looked in {path})",
+                hint=f"train them: specgen train {kind} --target {target.name}   (or give --draft {kind}:PATH)",
+            )
+    heads = load_heads(path, target.model, target.name, kind)
+    if progress is not None:
+        accuracy = heads.training.get("accuracy") or []
+        shown = ", ".join(f"{100 * a:.0f}%" for a in accuracy) or "not measured"
+        progress(f"{kind} heads from {path} (trained on {heads.training.get('tokens', '?')} tokens; held-out top-1 {shown})")
+    model = target.model
+    embeddings = model.get_input_embeddings()
+    dtype = embeddings.weight.dtype if embeddings.weight.dtype.is_floating_point else torch.float32
+    device = embeddings.weight.device
+    heads.module.to(device)
+    if kind == "medusa":
+        return MedusaDrafter(heads.module, heads.vocab, dtype)
+    rows = model.get_output_embeddings().weight.detach()[heads.vocab.ids.to(device)]
+    return EagleDrafter(heads.module, heads.vocab, embeddings, rows, DEFAULT_STOP_CONFIDENCE, dtype)
