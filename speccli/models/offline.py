@@ -121,7 +121,7 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size_bytes=98_362_432,
-            extra="smollm2",
+            # No extra: the package declares llama-cpp-python, which it must be installed without.
         ),
     )
 }
