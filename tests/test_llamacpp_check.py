@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from speccli.models import llamacpp_check
-from speccli.models.llamacpp_check import Verdict, extra_buffers_verdict, verdict_of
+from speccli.models.llamacpp_check import KernelCheck, extra_buffers_verdict, verdict_of
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install \".[llamacpp]\")")
 
@@ -22,7 +22,7 @@ def _exit(code: int) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def model_file(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setattr(llamacpp_check, "_VERDICTS", {})
+    monkeypatch.setattr(llamacpp_check, "_CHECKS", {})
     monkeypatch.setattr(llamacpp_check, "build_has_amx", lambda: True)
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF")
@@ -30,12 +30,12 @@ def model_file(tmp_path, monkeypatch) -> Path:
 
 
 def test_death_by_a_signal_condemns_the_kernels_and_is_worth_keeping():
-    assert verdict_of(_exit(0)) == (Verdict(True, ""), True)
+    assert verdict_of(_exit(0)) == (KernelCheck(True, ""), True)
     verdict, keep = verdict_of(_exit(-signal.SIGILL))
     assert (verdict.extra_buffers, keep) == (False, True)
     assert verdict.reason == "its repacked-weight (AMX) kernels die of SIGILL on this CPU"
     # Another failure (the file does not load) is not the kernels': allowed, and tried again next time.
-    assert verdict_of(_exit(1)) == (Verdict(True, ""), False)
+    assert verdict_of(_exit(1)) == (KernelCheck(True, ""), False)
 
 
 def test_a_crashing_trial_loads_without_extra_buffers_and_is_not_run_again(model_file, tmp_path, monkeypatch):
@@ -52,7 +52,7 @@ def test_a_crashing_trial_loads_without_extra_buffers_and_is_not_run_again(model
     assert said[1] == ("llama.cpp: its repacked-weight (AMX) kernels die of SIGILL on this CPU;"
                        " loading m.gguf without them (generic kernels)")
     # A new process (the memo emptied) reads the cached verdict instead of trying again.
-    monkeypatch.setattr(llamacpp_check, "_VERDICTS", {})
+    monkeypatch.setattr(llamacpp_check, "_CHECKS", {})
     assert extra_buffers_verdict(model_file, tmp_path / "cache", None, trial).extra_buffers is False
     assert trials == [model_file]
     # Another model file is tried on its own.
@@ -67,7 +67,7 @@ def test_no_trial_where_the_build_has_no_amx_kernels(model_file, monkeypatch):
     def trial(path: Path) -> subprocess.CompletedProcess:
         raise AssertionError("no trial expected")
 
-    assert extra_buffers_verdict(model_file, None, None, trial) == Verdict(True, "")
+    assert extra_buffers_verdict(model_file, None, None, trial) == KernelCheck(True, "")
 
 
 def test_a_missing_file_is_left_to_the_load_to_report(tmp_path, monkeypatch):
@@ -76,7 +76,7 @@ def test_a_missing_file_is_left_to_the_load_to_report(tmp_path, monkeypatch):
     def trial(path: Path) -> subprocess.CompletedProcess:
         raise AssertionError("no trial expected")
 
-    assert extra_buffers_verdict(tmp_path / "missing.gguf", tmp_path, None, trial) == Verdict(True, "")
+    assert extra_buffers_verdict(tmp_path / "missing.gguf", tmp_path, None, trial) == KernelCheck(True, "")
 
 
 def test_a_trial_that_hangs_loads_without_extra_buffers_but_is_tried_again(model_file, tmp_path, monkeypatch):
@@ -84,7 +84,7 @@ def test_a_trial_that_hangs_loads_without_extra_buffers_but_is_tried_again(model
         raise subprocess.TimeoutExpired(["child"], 900)
 
     assert extra_buffers_verdict(model_file, tmp_path, None, hangs).extra_buffers is False
-    monkeypatch.setattr(llamacpp_check, "_VERDICTS", {})
+    monkeypatch.setattr(llamacpp_check, "_CHECKS", {})
     assert extra_buffers_verdict(model_file, tmp_path, None, lambda p: _exit(0)).extra_buffers is True
 
 

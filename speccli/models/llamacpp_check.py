@@ -27,11 +27,11 @@ TRIAL_PASSES = (1, 4, 32)
 # What ggml prints in its system info when the build holds AMX kernels.
 AMX_MARK = "AMX_INT8 = 1"
 
-_VERDICTS: dict[str, "Verdict"] = {}  # this process's verdicts, by key
+_CHECKS: dict[str, "KernelCheck"] = {}  # this process's verdicts, by key
 
 
 @dataclass(frozen=True)
-class Verdict:
+class KernelCheck:
     extra_buffers: bool  # whether loading with llama.cpp's extra buffer types is safe
     reason: str  # why not, in a few words ("" when safe)
 
@@ -73,15 +73,15 @@ def _verdicts_path(cache_dir: Path | None) -> Path:
     return root / "llama-cpp-checks.json"
 
 
-def _read_cached(path: Path, key: str) -> Verdict | None:
+def _read_cached(path: Path, key: str) -> KernelCheck | None:
     try:
         entry = json.loads(path.read_text())[key]
-        return Verdict(bool(entry["extra_buffers"]), str(entry["reason"]))
+        return KernelCheck(bool(entry["extra_buffers"]), str(entry["reason"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _write_cached(path: Path, key: str, verdict: Verdict) -> None:
+def _write_cached(path: Path, key: str, verdict: KernelCheck) -> None:
     from speccli.models import offline
 
     try:
@@ -102,19 +102,19 @@ def run_trial(model_path: Path) -> subprocess.CompletedProcess:
     )
 
 
-def verdict_of(result: subprocess.CompletedProcess) -> tuple[Verdict, bool]:
+def verdict_of(result: subprocess.CompletedProcess) -> tuple[KernelCheck, bool]:
     """The verdict from the child's exit, and whether it is worth caching: death by a signal
     condemns the kernels; any other failure (the file does not load, say) is not theirs, and the
     load itself will report it."""
     if result.returncode == 0:
-        return Verdict(True, ""), True
+        return KernelCheck(True, ""), True
     if result.returncode < 0:
         try:
             name = signal.Signals(-result.returncode).name
         except ValueError:
             name = f"signal {-result.returncode}"
-        return Verdict(False, f"its repacked-weight (AMX) kernels die of {name} on this CPU"), True
-    return Verdict(True, ""), False
+        return KernelCheck(False, f"its repacked-weight (AMX) kernels die of {name} on this CPU"), True
+    return KernelCheck(True, ""), False
 
 
 def extra_buffers_verdict(
@@ -122,15 +122,15 @@ def extra_buffers_verdict(
     cache_dir: Path | None = None,
     say: Callable[[str], None] | None = None,
     trial: Callable[[Path], subprocess.CompletedProcess] = run_trial,
-) -> Verdict:
+) -> KernelCheck:
     """Whether `model_path` may load with llama.cpp's extra buffer types here: yes without a
     trial where the build holds no AMX kernels; else the cached verdict, or a trial now."""
     model_path = Path(model_path)
     if not model_path.is_file() or not build_has_amx():
-        return Verdict(True, "")  # no file: nothing to try; llama.cpp's own load says what is wrong
+        return KernelCheck(True, "")  # no file: nothing to try; llama.cpp's own load says what is wrong
     key = check_key(model_path)
-    if key in _VERDICTS:
-        return _VERDICTS[key]
+    if key in _CHECKS:
+        return _CHECKS[key]
     path = _verdicts_path(cache_dir)
     verdict = _read_cached(path, key)
     if verdict is None:
@@ -139,12 +139,12 @@ def extra_buffers_verdict(
         try:
             verdict, keep = verdict_of(trial(model_path))
         except subprocess.TimeoutExpired:
-            verdict, keep = Verdict(False, f"its trial did not finish in {CHECK_TIMEOUT_SECONDS} s"), False
+            verdict, keep = KernelCheck(False, f"its trial did not finish in {CHECK_TIMEOUT_SECONDS} s"), False
         if keep:
             _write_cached(path, key, verdict)
     if not verdict.extra_buffers and say is not None:
         say(f"llama.cpp: {verdict.reason}; loading {model_path.name} without them (generic kernels)")
-    _VERDICTS[key] = verdict
+    _CHECKS[key] = verdict
     return verdict
 
 
