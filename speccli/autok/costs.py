@@ -26,11 +26,11 @@ CONTEXT_TOKENS = 64  # a typical prompt's worth of cache: attention cost is part
 # size took (their median) was measured on a busier machine than this one now is.
 OVERSTATED_BY = 1.5
 MIN_PASSES = 8  # passes of one size before their median is trusted against a calibration
-# Rounds of the curve after the warm-up. Three calibrations of the 1.5B bfloat16 target on a
-# 2-core AMD EPYC, one after another (2026-12-03), put a 16-token pass at 1.37-1.59x a
-# one-token pass with 3 rounds and at 1.49-1.54x with 8 (13 tokens: 1.30-1.43x, 1.35-1.37x).
-# Lookahead's shape turns on such ratios: a 3-round calibration that put 13 tokens at 1.07x
-# chose a 13-token window that ran at 0.99x `--draft ngram`. 8 rounds take 90 s there, once.
+# Rounds of the curve after the warm-up. With few rounds, calibrations run one after another
+# disagree widely on what a pass over many tokens costs against one; more rounds narrow that
+# spread. Lookahead's shape turns on such ratios: a calibration that put a window's pass too
+# cheap chose a window that ran no faster than `--draft ngram`. The rounds are paid once per
+# target and device (the calibration is cached).
 ROUNDS = 8
 
 
@@ -161,12 +161,11 @@ def measure_costs(
 
     Each size is timed right after a one-token pass, and what it costs is its median ratio
     to that pass over the rounds, times the fastest one-token pass: the curve's shape from
-    pairs measured a moment apart, its level from the quietest moment. A shared VM's speed
-    drifts by half within seconds, and more for one token than for many (seen on a 2-core
-    AMD EPYC: one-token passes 210 -> 320 ms while 17-token ones went 480 -> 510), so the
-    fastest round of each size taken alone paired moments that never met: a float32
-    calibration put 17 tokens at 1.69x one token where pairs said 2.09x, and lookahead
-    chose a 17-token window that ran at 0.90x plain decoding. Each round times the sizes
+    pairs measured a moment apart, its level from the quietest moment. A pass's cost on a
+    shared machine drifts within seconds, and more for one token than for many, so the
+    fastest round of each size taken alone pairs moments that never met and misjudges the
+    curve's shape, enough for lookahead to choose a window slower than plain decoding
+    (measured: BENCHMARKS.md, section "Levers tried and not kept"). Each round times the sizes
     in the opposite order to the round before, so a spell spoils some sizes of one round,
     not every measurement of one.
 

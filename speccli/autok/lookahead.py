@@ -46,19 +46,20 @@ SHAPES = (
 DEFAULT_SHAPE = LookaheadShape(5, 3, 3)
 # What the window's and the pool's n-grams add to a step beyond prompt lookup's guess in the
 # same tree, in extra tokens accepted, by the tokens in its pass: a prior (what comes true
-# depends on the text), which LookaheadGate replaces with what it measures. Measured in
-# bfloat16 over the 12 default prompts: on a 2-core AMD EPYC, 0.53 tokens accepted a step
-# against 0.39 for the guess alone with 7 tokens a pass (W 2, N 3, G 1); on a 2-core Xeon
-# with AMX, lookahead steps made 0.33 extra tokens over plain ones with 7 tokens and 0.58
-# with 17, about 0.2 more per doubling; the paper's GPU shape (121 tokens) is reported at
-# 1.5-2x. From 7 tokens up, a line in log2(tokens).
+# depends on the text), which LookaheadGate replaces with what it measures. Set from
+# lookahead's steps over the default prompts, where the gain grew by about the same amount
+# with each doubling of the tokens in a pass (the paper's much larger GPU shape gains more
+# still): from 7 tokens up, a line in log2(tokens). Tokens per step of lookahead against
+# prompt lookup: BENCHMARKS.md, sections "2-core AMD EPYC, AVX512-BF16, no AMX" and "2-core
+# Intel Xeon with AMX".
 WINDOW_GAIN_AT_7_TOKENS = 0.14
 GAIN_PER_DOUBLING = 0.20
 # Below 7 tokens the line says nothing is gained, yet the smallest shapes, forced on every
 # step beside prompt lookup's guess, made this many more tokens a step than prompt lookup's
-# own steps (median of the 12 default prompts, a 2-core AMD EPYC in bfloat16, 2026-12-03): by
-# tokens in a pass, 0.08 with 3 (W 1, N 2, G 1), 0.11 with 4 (W 2, N 2, G 1). Their passes
-# are mostly 2-3 tokens (the pool is often empty), which there cost what one token does.
+# own steps (median over the default prompts in bfloat16), by tokens in a pass: 3 (W 1, N 2,
+# G 1) and 4 (W 2, N 2, G 1). Their passes are mostly 2-3 tokens (the pool is often empty),
+# which where bfloat16 is native cost about what one token does (measured: BENCHMARKS.md,
+# section "2-core AMD EPYC, AVX512-BF16, no AMX").
 SMALL_WINDOW_GAIN = {3: 0.08, 4: 0.11}
 
 
@@ -80,10 +81,9 @@ def choose_shape(pass_seconds: dict[int, float] | None) -> LookaheadShape | None
 
     A one-token pass is priced as LookaheadGate prices it (no dearer than any larger pass),
     so a chosen shape's window rides where prompt lookup guesses nothing: priced at its
-    own measurement, a noisy one-token pass (170 ms against 162 for two tokens, on the AMD
-    EPYC in bfloat16) chose a window the gate then kept off there and let ride beside
-    prompt lookup's guesses only, where the pool it fed went stale (0.94x `--draft ngram`,
-    modelled)."""
+    own measurement, a noisy one-token pass that timed dearer than a two-token one chose a
+    window the gate then kept off there and let ride beside prompt lookup's guesses only,
+    where the pool it fed went stale and lookahead fell behind `--draft ngram`."""
     if not pass_seconds or 1 not in pass_seconds:
         return DEFAULT_SHAPE
     best, best_rate = None, 1 / pass_cost(pass_seconds, 1)
@@ -121,9 +121,8 @@ class LookaheadGate(DraftLengthPolicy):
       to bring when the window rode every step, `window_value` (the prior, `window_gain`):
       (e + window_value) / cost(fed + window) > e / cost(fed). Judging it by what lookahead
       steps added as they came kept a free window off: a step right after the window was
-      off finds a stale pool (a 2-core AMD EPYC in bfloat16: one-token passes in 82 of 122
-      steps, where the window riding every step made 1.04-1.09x prompt lookup's tokens per
-      second).
+      off finds a stale pool, so most steps ran without it, where the window riding every
+      step made more tokens per second than prompt lookup alone.
     - The pool's n-grams pay in the step that offers them: what they added beyond the
       guess, `gain` tokens per step that offered some (each step says how many of its
       accepted tokens the guess alone had), pays for their tokens:
@@ -132,8 +131,8 @@ class LookaheadGate(DraftLengthPolicy):
     So lookahead's steps are prompt lookup's where the window and the pool cost more than
     they bring (a CPU whose passes grow with the tokens fed), and carry more where tokens
     are nearly free (a GPU with graphs, a CPU with bfloat16 matrix units). Comparing with
-    plain decoding instead kept the window on where prompt lookup's own steps paid better
-    (a 2-core AMD EPYC: lookahead 0.94x `--draft ngram`).
+    plain decoding instead kept the window on where prompt lookup's own steps paid better,
+    and lookahead fell behind `--draft ngram`.
 
     While the pool is not offered its gain is not measured: after `probe_every` steps that
     could have offered some (doubled after each probe after which it still did not pay, up

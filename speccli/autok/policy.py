@@ -85,11 +85,11 @@ class StepCosts:
     seconds times `level`, how fast the machine runs now against when it calibrated (every
     step refines it: longer contexts, another load on a shared machine); a size it has fed
     follows its own measurements, from there. Steps mostly feed one size: refreshing that
-    size alone left the others at the calibration's level, so on a machine running 1.4x
-    slower than it calibrated (float32 on a 2-core AMD EPYC) a pass over 4 tokens looked
-    1.2x one token's instead of 1.67x. And the sizes a policy keeps choosing must follow
-    what they really cost: a calibration's noise makes some sizes look cheaper than they
-    are, and those are the ones chosen. Without a calibration, or for sizes it did not
+    size alone left the others at the calibration's level, so on a machine running slower
+    than when it calibrated, larger passes looked far cheaper against a one-token pass than
+    they were. And the sizes a policy keeps choosing must follow what they really cost: a
+    calibration's noise makes some sizes look cheaper than they are, and those are the ones
+    chosen. Without a calibration, or for sizes it did not
     measure, each size follows its own measurements alone."""
 
     smoothing: float = 0.3

@@ -38,8 +38,8 @@ MAX_SEQUENCES = 64
 DEFAULT_CONTEXT = 8192
 DEFAULT_BATCH = 512
 # llama.cpp's CPU flash attention accumulates in float16 and makes passes over many tokens
-# dearer here (16 tokens: 388 ms against 261 ms without it, Qwen2.5-Coder-1.5B Q4_K_M, 2
-# cores); one-token passes cost the same either way.
+# dearer on the CPU; one-token passes cost the same either way (measured: BENCHMARKS.md,
+# section "Levers tried and not kept").
 FLASH_ATTENTION = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
 
 

@@ -1,9 +1,9 @@
 """A transformers causal LM over a StaticCache, replayed as CUDA graphs on CUDA.
 
 On a GPU a batch-1 decode pass of an eager transformers model is bound by kernel launches
-and Python, not by the GPU: on an H200 a Qwen2.5-7B-shaped target takes 17.7 ms for one
-token eagerly and 7.6 ms replayed as a CUDA graph; a 0.5B-shaped draft 14.1 ms against
-3.0 ms. Speculation only pays there with graphs, and graphs need fixed addresses: a
+and Python, not by the GPU: replayed as a CUDA graph, a pass costs a fraction of its eager
+time, the target's and a small draft's alike (measured: BENCHMARKS.md, section "GPU:
+NVIDIA H200"). Speculation only pays there with graphs, and graphs need fixed addresses: a
 preallocated (static) KV cache, and input buffers that are refilled in place.
 
 `StaticCausalLM` implements the same `CausalLM` protocol as `HFCausalLM`:

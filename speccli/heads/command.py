@@ -126,7 +126,7 @@ def vocabulary_text(target: LoadedModel, request: TrainRequest, chats: list[list
     """Token ids of the same text continued to VOCAB_TEXT_TOKENS: tokenized only, never read
     by the target, they fill the draft vocabulary past the ids the training labels hold
     (64,000 tokens of answers hold about 5,000 distinct ids; 500,000 of the same text
-    about 15,000, in 4 seconds)."""
+    about 15,000, and tokenizing them is quick)."""
     if request.tokens >= VOCAB_TEXT_TOKENS:
         return torch.zeros(0, dtype=torch.long)
     corpus = build_corpus(target.tokenizer, VOCAB_TEXT_TOKENS, request.data, chats=chats)
@@ -151,12 +151,13 @@ def own_answers(target: LoadedModel, count: int, cache_dir: Path, events: TrainE
     return [[{"role": "user", "content": r}, {"role": "assistant", "content": made[r]}] for r in wanted]
 
 
-DEFAULT_ANSWERS = 250  # about 52,000 tokens of chats: 17-18 minutes on 2 cores (transformers bf16 or llama.cpp)
+DEFAULT_ANSWERS = 250  # about 52,000 tokens of chats from the default target; made once and kept
 DEFAULT_TOKENS = 180_000  # without answers: the stdlib's text
 TOKENS_PER_ANSWER = 256  # the default --tokens with answers: every answer, then a little stdlib text
 # Passes over the text. The target's answers are worth more per token than the stdlib's
-# (an EAGLE head on 31,000 answer tokens guessed 59.6% of held-out answers; on those plus
-# 170,000 stdlib tokens, 60.2%, at twice the time): with them, less text, more passes.
+# (an EAGLE head trained on the answers alone guessed held-out answers about as well as one
+# trained on them plus several times as much stdlib text, in half the time): with them,
+# less text, more passes.
 DEFAULT_EPOCHS = 4.0
 EPOCHS_WITH_ANSWERS = 8.0
 
@@ -192,12 +193,10 @@ def _llama_cpp_file(target: LoadedModel) -> Path | None:
     return target.resolved.gguf_path
 
 
-ANSWER_BATCH = 16  # requests answered at once through llama.cpp: 1.3x the tokens/s of one at a time on 2 cores
+ANSWER_BATCH = 16  # requests answered at once through llama.cpp: more tokens/s than one at a time
 ANSWER_CONTEXT = 16384  # cache cells for a batch: its prompts and answers together
-# Requests answered at once through transformers. Qwen2.5-Coder-1.5B in bfloat16 on a 2-core
-# Xeon with AMX: 3.7 tokens/s one at a time, 33 with 16, 50 with 32 (llama.cpp there: about
-# 12 with 16, its AMX kernels being unusable); on a 2-core AMD EPYC: 31 with 16, 38 with 32
-# (llama.cpp: 30 and 34).
+# Requests answered at once through transformers. On a CPU in bfloat16 a batch yields many
+# times the tokens/s of one request at a time, and 32 still gains over 16.
 TRANSFORMERS_ANSWER_BATCH = 32
 
 
@@ -283,14 +282,16 @@ def accuracy_line(kind: str, accuracy: Sequence[float]) -> str:
     return "held-out top-1: " + ", ".join(f"head {i + 1} {100 * a:.1f}%" for i, a in enumerate(accuracy))
 
 
-# EAGLE's drafting steps unrolled in training. On the default target, 250 answers, 8 epochs (2-core AMD EPYC,
-# bf16): held-out top-1 at depths 1/2/3 64.2/50.9/48.4% with 1 step, 63.5/70.0/67.9% with 2, 61.9/69.4/76.5%
-# with 3; tree drafts 1.87, 1.91, 2.00 tokens per step on the code prompts; training 307, 617, 899 s.
+# EAGLE's drafting steps unrolled in training. Unrolling lifts held-out accuracy past the
+# first token (with 3 steps, depths 2 and 3 well above 1 step's; the first about the same)
+# and tree drafts' tokens per step, while training time grows about linearly with the
+# steps. Held-out accuracy with 3: BENCHMARKS.md, section "2-core AMD EPYC, AVX512-BF16, no
+# AMX" (Medusa and EAGLE heads).
 EAGLE_UNROLL = 3
 
 
 def default_config(kind: str, **overrides: Any) -> TrainConfig:
-    # Tried on the default target and corpus here: 1e-3 (medusa) and 3e-4 (eagle) learned too slowly in 2-8 epochs.
+    # Lower rates, 1e-3 (medusa) and 3e-4 (eagle), learned too slowly in 2-8 epochs on the default target and corpus.
     rate = 3e-3 if kind == "medusa" else 1e-3
     unroll = EAGLE_UNROLL if kind == "eagle" else 1
     values = {"kind": kind, "learning_rate": rate, "eagle_steps": unroll, **{k: v for k, v in overrides.items() if v is not None}}

@@ -2,9 +2,9 @@
 
 On a CPU a draft token is bound by reading the weights: int8 weights are a quarter of
 float32's bytes, and PyTorch's x86 kernels multiply them with int8 activations quantized
-on the fly. Measured here (2-core AVX512 CPU, torch 2.13) one Qwen2.5-Coder-0.5B draft
-token costs 42 ms in int8, 80 ms in bfloat16 and 171 ms in float32 (bitsandbytes on the
-CPU: 65 ms in 4-bit, 146 ms in 8-bit; torchao without torch.compile: 219 ms or more).
+on the fly. So an int8 draft token costs well under a bfloat16 or float32 one, and less
+than with bitsandbytes' 4- or 8-bit CPU kernels or torchao without torch.compile
+(measured: BENCHMARKS.md, section "Levers tried and not kept").
 
 The draft's distribution shifts slightly, which changes only how often its tokens are
 accepted: verification keeps the output the target's own. The target is never quantized

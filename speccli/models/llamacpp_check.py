@@ -3,7 +3,7 @@
 llama.cpp repacks a model's weights at load for kernels made for the CPU at hand ("extra
 buffer types"; on Intel Xeons with AMX, AMX tile kernels). Those can die of SIGILL where the
 build found a feature its kernels then cannot use: llama-cpp-python 0.3.36, built from source
-on a 2-core Xeon VM with AMX, dies at `tilezero` in ggml_backend_amx_mul_mat on every pass over
+on a Xeon VM with AMX, dies at `tilezero` in ggml_backend_amx_mul_mat on every pass over
 more than one token, while AMX itself runs there (ggml-org/llama.cpp#28756 reports the same
 crash elsewhere). A signal kills the process before Python can do anything about it, so where
 the build reports AMX, a child process first loads the model with those kernels and runs passes

@@ -18,16 +18,17 @@ Choices worth knowing:
   cost there (see ``speccli.models.int8``). GGUF files are never re-quantized by
   bitsandbytes: transformers dequantizes them to the dtype.
 * float32 on the CPU: the linear layers run through oneDNN instead of MKL's sgemm
-  (``LoadConfig.cpu_linear``; see ``speccli.models.onednn``), which is 1.5-2.5x faster
-  for the few rows a decode step feeds. bfloat16 on the CPU: a one-token pass multiplies
-  its row as two where that is measured faster (PyTorch's one-row bf16 kernel is slower
-  than its two-row one on some CPUs).
+  (``LoadConfig.cpu_linear``; see ``speccli.models.onednn``), which is faster for the
+  few rows a decode step feeds (where PyTorch's kernel wins for the fewest rows, it keeps
+  them: timed at load). bfloat16 on the CPU: a one-token pass multiplies its row as two
+  where that is measured faster (PyTorch's one-row bf16 kernel is slower than its two-row
+  one on some CPUs).
 * Hub models are looked up in the local Hugging Face cache first, without
   touching the network; only a model that is not (completely) cached is fetched.
   An offline machine thus loads cached models at once instead of retrying the Hub.
-* A GGUF tokenizer is converted once (about 11 s for Qwen's 151k vocabulary) and
-  kept, as tokenizer.json, under ``<cache>/tokenizers/``, keyed by the file's path,
-  size, mtime and the transformers version; later loads take well under a second.
+* A GGUF tokenizer's conversion is slow for a large vocabulary (Qwen's 151k), so it runs
+  once and is kept, as tokenizer.json, under ``<cache>/tokenizers/``, keyed by the file's
+  path, size, mtime and the transformers version; later loads read that file.
 """
 
 from __future__ import annotations
@@ -228,12 +229,11 @@ def auto_cpu_dtype(quant: str = "none") -> torch.dtype:
     """The dtype ``--dtype auto`` means on the CPU. One place, to retune after benchmarking.
 
     bfloat16 where the CPU has native bf16 matmuls (AMX-BF16, AVX512-BF16), float32
-    elsewhere, where bf16 is emulated and slower than float32. Measured (MODELS.md,
-    torch 2.13, 2 cores with AMX): a bf16 pass over 16 new tokens costs about what a pass
-    over 1 does (170-180 ms for Qwen2.5-Coder-1.5B), while float32 grows from 211 to
-    564 ms, and a 1536x4096 matmul on an AVX512-BF16 core (no AMX) ran 3-6x faster in bf16.
-    That flat verify cost is what speculative decoding lives on. GGUF files load about as
-    fast in bf16 as in float32 (SmolLM2-135M: 12 s either way here).
+    elsewhere, where bf16 is emulated and slower than float32. With native bf16 matmuls a
+    bf16 pass's cost grows little with the new tokens it is fed, while float32's grows much
+    faster; that flat verify cost is what speculative decoding lives on
+    (measured: BENCHMARKS.md, sections "2-core Intel Xeon with AMX" and "2-core AMD EPYC,
+    AVX512-BF16, no AMX"). GGUF files load about as fast in bf16 as in float32.
 
     The price: in bf16 a pass over k+1 tokens rounds differently from k+1 one-token passes
     (|logit diff| about 0.06 on the tiny test models), so at a near-tie greedy speculative

@@ -3,14 +3,13 @@ time: float32 through oneDNN, but for the fewest rows where PyTorch's own kernel
 faster on this CPU (see choose_stock_rows); bfloat16 one-row products as two rows where
 that is faster (see TwoRowLinear).
 
-For float32 on the CPU, nn.Linear multiplies with MKL's sgemm, which is slow for the
-few rows that decoding feeds: on the 2-core AVX512 machine here (torch 2.13) the two
-MLP matmuls of a Qwen2.5-Coder-1.5B layer cost 6 ms for 1 row and 12-18 ms for 2 to 9
-rows. oneDNN's linear kernel (the one PyTorch already uses for bfloat16, and that
-torch.compile's CPU backend uses for float32) costs 3.5-6 ms for 1 to 9 rows. Whole
-model: a pass over 1 new token 370-400 -> 200-240 ms, over 9 new tokens 870-940 ->
-380-400 ms. A flat verify cost is what speculative decoding lives on, and plain
-decoding gains too.
+For float32 on the CPU, nn.Linear multiplies with MKL's sgemm, which on many CPUs is slow
+for the few rows that decoding feeds, and grows steeply from one row to a few. oneDNN's
+linear kernel (the one PyTorch already uses for bfloat16, and that torch.compile's CPU
+backend uses for float32) costs about the same for 1 to 9 rows, so a pass over several new
+tokens costs little more than a pass over one. A flat verify cost is what speculative
+decoding lives on, and plain decoding gains too (measured: BENCHMARKS.md, section
+"2-core AMD EPYC, AVX512-BF16, no AMX").
 
 The arithmetic is float32 either way; only the summation order differs, so results
 differ by float32 rounding (as a pass over k+1 tokens already does from k+1 one-token
@@ -107,13 +106,13 @@ def uses_onednn_linear(model: torch.nn.Module) -> bool:
 # bfloat16 one-row products as two rows.
 #
 # PyTorch multiplies a bfloat16 matrix by one row with a matrix-vector kernel, by two or
-# more rows with oneDNN's matrix-matrix one; on the 2-core AVX512-BF16 AMD EPYC here (torch
-# 2.13) the first is the slower: a Qwen2.5-Coder-1.5B MLP product costs 2.1-2.5 ms for one
-# row and 1.7-1.9 ms for two, and a whole pass over one new token 316 ms (median) where the
-# same pass with the row fed twice costs 276 ms, as a pass over two tokens does (282). A
-# one-token pass then costs more than a pass over 2-5 tokens, which makes plain decoding and
-# every plain step of speculative decoding pay for nothing. Where the one-row kernel is the
-# faster (other CPUs), nothing changes: the choice is measured on the model's own shape.
+# more rows with oneDNN's matrix-matrix one; on some CPUs the first is the slower, so that
+# one row costs more than two, and a one-token pass more than a pass over a few tokens.
+# That makes plain decoding and every plain step of speculative decoding pay for nothing;
+# feeding the row twice makes a one-token pass cost what a two-token pass does. Where the
+# one-row kernel is the faster (other CPUs), nothing changes: the choice is measured on the
+# model's own shape (measured: BENCHMARKS.md, section "2-core AMD EPYC, AVX512-BF16, no
+# AMX", one-row bfloat16 products as two).
 
 ROW_PAIR_GAIN = 0.92  # two rows must take at most this share of one row's time to be used
 # Smaller weights are not judged (kept stock): their products are the call's overhead, and
@@ -199,9 +198,9 @@ def two_rows_pay(model: torch.nn.Module, history_dir: Path | None = None, machin
 
     With `history_dir`, the ratio joins those of the latest loads on this `machine` (its
     CPU's name), torch build, thread count and weight shape, and their median decides: one
-    load's timing on a shared VM is not stable enough (on a 2-core AMD EPYC, 2 loads of 6 in
-    a day kept stock kernels, where most timed two rows at 0.81-0.87 of one), and a flip
-    changes both the speed and bfloat16's rounding from one run to the next."""
+    load's timing on a shared VM is not stable enough (now and then a load times two rows
+    no faster than one on a CPU where they usually are clearly faster), and a flip changes
+    both the speed and bfloat16's rounding from one run to the next."""
     layers = _bfloat16_cpu_linears(model)
     if not layers:
         return False
@@ -243,18 +242,16 @@ def _read_numbers(path: Path, key: str) -> list[float]:
 
 # float32: PyTorch's own kernel for the fewest rows, where it is the faster.
 #
-# Which kernel multiplies a few float32 rows faster depends on the CPU. On the AVX512 machine
-# above, oneDNN's from one row on. On a 2-core Xeon with AMX (torch 2.13, 2 threads), MKL's
-# sgemm for 1-3 rows and oneDNN's from 4: passes of the 1.5B target over 1/2/3 tokens took
-# 251/275/280 ms with PyTorch's kernel throughout and 294/368/389 with oneDNN's, over 4 and 8
-# tokens 524/711 against 391/458. So each weight shape keeps PyTorch's kernel below the first
-# row count at which oneDNN's is as fast, timed at load: 274/282/290 ms for 1/2/3 tokens there,
-# 384/474 for 4 and 8.
+# Which kernel multiplies a few float32 rows faster depends on the CPU: on some, oneDNN's
+# from one row on; on others, MKL's sgemm for the fewest rows and oneDNN's from a few more.
+# So each weight shape keeps PyTorch's kernel below the first row count at which oneDNN's
+# is as fast, timed at load (measured: BENCHMARKS.md, section "2-core Intel Xeon with AMX",
+# float32 kernels by rows).
 
 MAX_STOCK_ROWS = 8  # row counts judged: a decode step's passes; prompts go to oneDNN
-# Smaller float32 weights keep oneDNN's kernel untimed. Lower than MIN_JUDGED_WEIGHT: the
-# 1.5B's key and value projections (256 x 1536) take 0.02 ms with PyTorch's kernel and
-# 0.03-0.09 with oneDNN's for 1-3 rows on the Xeon, 56 of them in every pass.
+# Smaller float32 weights keep oneDNN's kernel untimed. Lower than MIN_JUDGED_WEIGHT: small
+# weights such as a 1.5B model's key and value projections (256 x 1536) can still be clearly
+# faster with PyTorch's kernel for the fewest rows, and a pass runs dozens of them.
 MIN_TIMED_FLOAT32_WEIGHT = 1 << 18
 REMEMBERED_STOCK_ROWS = 7  # the latest loads' findings that decide together
 
@@ -267,9 +264,8 @@ def stock_rows_below(weights: Sequence[torch.Tensor], max_rows: int = MAX_STOCK_
     PyTorch's is the faster throughout.
 
     Every layer, not one weight again and again: a weight multiplied repeatedly stays in the
-    CPU's cache, while a pass reads each from memory. On the Xeon with AMX one MLP weight timed
-    alone put the two kernels even at 4 rows, and then PyTorch's ahead at 5-7, where in passes
-    over 4-5 tokens it made them 1.25x slower than oneDNN's (462 against 359 ms)."""
+    CPU's cache, while a pass reads each from memory. One weight timed alone can put
+    PyTorch's kernel ahead at row counts where, in real passes, it is clearly the slower."""
     calls = max(1, (1 << 24) // sum(weight.numel() for weight in weights))  # enough work per timing for the clock
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(max_rows, weights[0].shape[1], generator=generator)
