@@ -361,14 +361,11 @@ def test_prompt_lookup_and_chat_prompts(pairs, chat_tokenizer):
     assert all(r.identical for r in results.rows)
 
 
-class PerturbedVerification:
-    """A target whose multi-token verification passes (only speculative decoding makes
-    them) push every row's argmax down once `after` tokens are cached: a broken
-    speculative path that plain decoding never exercises."""
+class TargetDouble:
+    """A backend that is `inner` but for the logits its `forward` returns (subclasses say how)."""
 
-    def __init__(self, inner, after: int) -> None:
+    def __init__(self, inner) -> None:
         self.inner = inner
-        self.after = after
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -376,6 +373,16 @@ class PerturbedVerification:
     @property
     def cached_tokens(self):
         return self.inner.cached_tokens
+
+
+class PerturbedVerification(TargetDouble):
+    """A target whose multi-token verification passes (only speculative decoding makes
+    them) push every row's argmax down once `after` tokens are cached: a broken
+    speculative path that plain decoding never exercises."""
+
+    def __init__(self, inner, after: int) -> None:
+        super().__init__(inner)
+        self.after = after
 
     def forward(self, token_ids, all_logits=True):
         cached_before = len(self.inner.cached_tokens)
@@ -415,7 +422,7 @@ def test_broken_speculative_path_is_reported_as_a_mismatch(pairs, tokenizer):
     assert len(results.errors) == 2
 
 
-class SplitAt:
+class SplitAt(TargetDouble):
     """A target that, predicting new token `position`, scores two tokens at 16.0: in one-token
     passes (plain decoding) `first` leads by `lead`, in verification passes over several
     tokens `second` leads by `lead`, and in the bench's re-scoring pass (several tokens, last
@@ -424,17 +431,10 @@ class SplitAt:
     rescored_gap wide)."""
 
     def __init__(self, inner, prompt_len: int, position: int, first: int, second: int, lead: float, rescored_gap: float):
-        self.inner = inner
+        super().__init__(inner)
         self.at = prompt_len + position  # the context length whose next token is new token `position`
         self.first, self.second = first, second
         self.lead, self.rescored_gap = lead, rescored_gap
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    @property
-    def cached_tokens(self):
-        return self.inner.cached_tokens
 
     def forward(self, token_ids, all_logits=True):
         cached_before = len(self.inner.cached_tokens)
