@@ -24,6 +24,7 @@ from speccli.drafters.model import ModelDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.errors import UsageError
 from speccli.events import StepEvent
+from speccli.models.cpu import cpu_name
 from speccli.stats import GenerationStats
 from speccli.ui import bench_report
 from speccli.ui.bench_report import CSV_COLUMNS, SUMMARY_COLUMNS, ReportError
@@ -291,6 +292,7 @@ def test_greedy_rows_are_identical_and_complete(greedy_results, pairs, tokenizer
         assert row.spec.stats.mean_draft_length <= row.k
     assert results.errors == [] and results.complete
     assert results.metadata["target"] == "tiny" and "torch" in results.metadata
+    assert results.metadata["cpu"] == cpu_name()  # every figure names the CPU it was measured on
 
 
 def test_every_run_starts_cold_and_order_alternates(greedy_results):

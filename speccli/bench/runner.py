@@ -38,6 +38,7 @@ from speccli.bench.results import BenchResults, BenchRow, BenchSettings, RunResu
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.context import ContextOverflowError
 from speccli.drafters.base import Drafter
+from speccli.models.cpu import cpu_name
 
 WARMUP_TOKENS = 8
 
@@ -233,6 +234,7 @@ def environment(target: CausalLM | None = None) -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {
+        "cpu": cpu_name(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
