@@ -29,7 +29,6 @@ from speccli.models.onednn import (
     two_rows_pay,
     uses_onednn_linear,
 )
-from speccli.models.precise_logits import PreciseLogits
 
 PROMPTS = ["def fib(n):", "hello world", "abcabcabc", "1, 2, 3,", "The quick brown fox"]
 
@@ -216,14 +215,11 @@ def test_load_model_keeps_its_row_pair_ratios_in_the_cache(folder, monkeypatch, 
 def test_load_model_multiplies_one_bfloat16_row_as_two_where_that_pays(folder, monkeypatch):
     monkeypatch.setattr(loading, "two_rows_pay", lambda model, *history: True)
     loaded = load_model(folder, LoadConfig(device="cpu", dtype="bfloat16", quant="none"))
-    # The output layer's top logits are refined in float32 around whichever kernel it got.
-    assert loaded.linear == "two-row" and type(loaded.model.lm_head) is PreciseLogits
-    assert type(loaded.model.lm_head.head) is TwoRowLinear
+    assert loaded.linear == "two-row" and type(loaded.model.lm_head) is TwoRowLinear
     assert "bfloat16, one-row products as two on cpu" in loaded.describe()
     stock = load_model(folder, LoadConfig(device="cpu", dtype="bfloat16", quant="none", cpu_linear="stock"))
-    assert stock.linear == "stock" and type(stock.model.lm_head.head) is torch.nn.Linear
-    float32 = load_model(folder, LoadConfig(device="cpu", dtype="float32", quant="none"))
-    assert float32.linear == "onednn" and not isinstance(float32.model.lm_head, PreciseLogits)
+    assert stock.linear == "stock" and type(stock.model.lm_head) is torch.nn.Linear
+    assert load_model(folder, LoadConfig(device="cpu", dtype="float32", quant="none")).linear == "onednn"
 
 
 def test_rows_below_stock_below_take_pytorchs_own_kernel():

@@ -60,7 +60,6 @@ from speccli.models.onednn import (
     set_two_row_linear,
     two_rows_pay,
 )
-from speccli.models.precise_logits import set_precise_logits
 from speccli.models.registry import ALIASES, ResolvedModel, resolve
 
 __all__ = [
@@ -735,8 +734,6 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
             stock_rows = {f"{rows}x{columns}": below for (rows, columns), below in sorted(chosen.items()) if below > 1}
         elif dtype == torch.bfloat16 and two_rows_pay(model, kernels, cpu_name()) and set_two_row_linear(model):
             linear = "two-row"
-    # After the linear kernels are chosen: the wrapped output layer keeps whichever it got.
-    set_precise_logits(model)
 
     return LoadedModel(
         name=name,

@@ -10,6 +10,13 @@ logits of each row are computed again in float32 from the same weights and hidde
 the tokens greedy decoding picks from, and the bulk of the sampling mass, get float32
 precision; the rest keep the dtype's. The candidates are a fixed number, so the pass keeps
 static shapes (CUDA graphs, torch.compile).
+
+Not applied when a model loads: measured, it did not make speculative and plain decoding
+part less often (BENCHMARKS.md, "Levers tried and not kept"). The output layer's bfloat16
+rounding breaks near-ties the same way in a pass over one token and a pass over several
+(the lower id), where float32 leaves them to the hidden state's own rounding, and it is
+what transformers' own `generate` does. scripts/argmax_flips.py and
+scripts/precise_logits_ab.py wrap and unwrap it to measure it again.
 """
 
 from __future__ import annotations
