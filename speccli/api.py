@@ -15,20 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from speccli.autok.costs import CostProfile
+from speccli.autok.costs import CostCurve
 from speccli.backends.base import CausalLM
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig
 from speccli.context import check_fits
 from speccli.drafters.base import Drafter
-from speccli.events import Event, TokenEvent
-from speccli.loop import EventStream, SpeculativeDecoder
+from speccli.events import Event, EventStream, TokenEvent
+from speccli.loop import SpeculativeDecoder
 from speccli.prompts import Prompt, encode_prompt
 from speccli.stats import GenerationStats
 
 INTERRUPTED = "interrupted"
 
 # Measures pass costs for `k auto` (or reads them from a cache) for drafts up to max_k.
-Calibrate = Callable[[int], "CostProfile | None"]
+Calibrate = Callable[[int], "CostCurve | None"]
 # Keeps what `k auto` learned about the draft (given the decoder that ran, and max_k) for the
 # next session; returns a notice for the user, if any (shown after the output, not inside it).
 Remember = Callable[[SpeculativeDecoder, int], "str | None"]
@@ -153,7 +153,7 @@ class Speculator:
         tokenizer,
         eos_token_ids: Sequence[int],
         drafter: Drafter | None = None,
-        costs: CostProfile | None = None,
+        costs: CostCurve | None = None,
         calibrate: Calibrate | None = None,
     ) -> Speculator:
         return cls(SpeculativeDecoder(target, tokenizer, eos_token_ids, drafter, costs), calibrate)
@@ -184,7 +184,7 @@ class Speculator:
         check_fits(len(ids), self.target.max_length)
         return ids
 
-    def calibrate(self, max_k: int) -> CostProfile | None:
+    def calibrate(self, max_k: int) -> CostCurve | None:
         """Give the decoder measured pass costs for `k auto`, unless it has them."""
         if self.decoder.drafter is not None and self.decoder.costs is None and self._calibrate is not None:
             self.decoder.costs = self._calibrate(max_k)

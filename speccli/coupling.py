@@ -22,7 +22,8 @@ from typing import Callable
 
 import torch
 
-from speccli.verify import Verdict, verify_greedy
+from speccli.config import SamplingConfig
+
 
 MASK64 = (1 << 64) - 1
 
@@ -68,12 +69,11 @@ def perturbed(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return torch.log(probs.float()) + noise.to(probs.device)
 
 
-def verify_coupled(p: torch.Tensor, draft_tokens: torch.Tensor, noise: torch.Tensor) -> Verdict:
-    """p: [n+1, V] warped target probabilities; draft_tokens: [n]; noise: [n+1, V], row i
-    the noise of the position p[i] decides. A drafted token survives iff it is the
-    target's Gumbel-max token there; the next token is the target's own at the first
-    position that did not survive (or the bonus position)."""
-    return verify_greedy(perturbed(p, noise), draft_tokens)
+def coupled(sampling: SamplingConfig) -> bool:
+    """Whether a generation samples by the coupled rule: with a seed, so that the output is
+    the target's own sample for that seed, whatever the drafter, k or timing. Without one,
+    the rejection rule of Leviathan et al., whose acceptance is the higher (see the README)."""
+    return not sampling.greedy and sampling.seed is not None
 
 
 class PositionNoise:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from speccli.text import OutputText
 
 
 class Provenance(str, Enum):
@@ -13,6 +18,16 @@ class Provenance(str, Enum):
     RESAMPLED = "resampled"  # drawn from the target's residual after a draft token was rejected
     BONUS = "bonus"  # drawn from the target after every drafted token was accepted
     TARGET = "target"  # plain target decoding: nothing was drafted this step
+
+
+def step_provenances(accepted: int, drafted: int, resampled: bool) -> list[Provenance]:
+    """Where each token a step settled came from: the accepted drafts, then the target's
+    own (resampled after a rejection, a bonus after none, its plain token without a draft)."""
+    if drafted == 0:
+        last = Provenance.TARGET
+    else:
+        last = Provenance.RESAMPLED if resampled else Provenance.BONUS
+    return [Provenance.ACCEPTED] * accepted + [last]
 
 
 class FinishReason(str, Enum):
@@ -85,3 +100,35 @@ class FinishEvent:
 
 
 Event = PrefillEvent | TokenEvent | StepEvent | FinishEvent
+
+
+class EventStream(Iterator[Event]):
+    """The events of one generation, as `SpeculativeDecoder.generate` returns them.
+
+    A generation that runs to its end releases every token's event, its FinishEvent last.
+    A consumer that stops before the end (Ctrl-C, whether it lands in the engine or in the
+    consumer's own code, or a break) calls `flush()`: it ends the generation and returns
+    the token events still held back, so that the joined text of all token events is the
+    tokenizer's decode of their ids, an incomplete character at the end included (U+FFFD).
+    Held back are tokens whose text might begin a stop string and tokens ending in an
+    incomplete multi-byte character. They are tokens like the others (count them, show
+    them). After a generation that finished, `flush()` returns [].
+    """
+
+    def __init__(self, events: Generator[Event, None, None], output: "OutputText") -> None:
+        self._events = events
+        self._output = output
+
+    def __iter__(self) -> "EventStream":
+        return self
+
+    def __next__(self) -> Event:
+        return next(self._events)
+
+    def close(self) -> None:
+        self._events.close()
+
+    def flush(self) -> list[TokenEvent]:
+        self._events.close()
+        self._output.finish()
+        return list(self._output.take())

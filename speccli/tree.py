@@ -33,9 +33,14 @@ from typing import Sequence
 
 import torch
 
-from speccli.verify import accept_mask, residual_distribution, sample
+from speccli.autok.costs import CostCurve
+from speccli.config import SamplingConfig
+from speccli.coupling import perturbed
+from speccli.verify import Verdict, accept_mask, residual_distribution, sample, warp
 
 ROOT = -1
+# Nodes of a tree verified in one pass when no costs were measured (a fixed k, no calibration).
+DEFAULT_TREE_NODES = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,18 +143,7 @@ class TokenTree:
         return q
 
 
-@dataclass(frozen=True)
-class TreeVerdict:
-    """The accepted path (node indices, root to leaf) and the target's next token."""
-
-    path: list[int]
-    next_token: int
-    # Whether the next token was drawn after the last path node's children were all
-    # rejected (a resample), rather than from a node with no children (a bonus).
-    resampled: bool
-
-
-def verify_tree_greedy(scores: torch.Tensor, tree: TokenTree) -> TreeVerdict:
+def verify_tree_greedy(scores: torch.Tensor, tree: TokenTree) -> Verdict:
     """scores: [n+1, V], row r for fed token r. Follows the children that are the row's
     argmax (Gumbel-perturbed scores make this the coupled rule)."""
     best = torch.argmax(scores, dim=-1).tolist()
@@ -159,12 +153,12 @@ def verify_tree_greedy(scores: torch.Tensor, tree: TokenTree) -> TreeVerdict:
         token = best[node + 1]
         match = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
         if match is None:
-            return TreeVerdict(path, token, resampled=bool(tree.children[node]))
+            return Verdict(path, token, resampled=bool(tree.children[node]))
         path.append(match)
         node = match
 
 
-def verify_tree_sampled(p: torch.Tensor, tree: TokenTree, generator: torch.Generator | None) -> TreeVerdict:
+def verify_tree_sampled(p: torch.Tensor, tree: TokenTree, generator: torch.Generator | None) -> Verdict:
     """The multi-candidate rule (see the module's docstring). p: [n+1, V] warped target
     probabilities, row r for fed token r."""
     path: list[int] = []
@@ -173,7 +167,7 @@ def verify_tree_sampled(p: torch.Tensor, tree: TokenTree, generator: torch.Gener
         residual = p[node + 1]
         kids = tree.children[node]
         if not kids:
-            return TreeVerdict(path, int(sample(residual, generator)), resampled=False)
+            return Verdict(path, int(sample(residual, generator)), resampled=False)
         accepted = None
         for child in kids:
             token = tree.tokens[child]
@@ -188,9 +182,25 @@ def verify_tree_sampled(p: torch.Tensor, tree: TokenTree, generator: torch.Gener
                 break
             residual = residual_distribution(residual, q)
         if accepted is None:
-            return TreeVerdict(path, int(sample(residual, generator)), resampled=True)
+            return Verdict(path, int(sample(residual, generator)), resampled=True)
         path.append(accepted)
         node = accepted
+
+
+def verify_tree(
+    logits: torch.Tensor,
+    tree: TokenTree,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    noise: torch.Tensor | None = None,
+) -> Verdict:
+    """The rule the sampling settings call for (see the module's docstring); `noise`: the
+    coupled rule's noise for each fed token's row (a seeded generation)."""
+    if sampling.greedy:
+        return verify_tree_greedy(logits, tree)
+    if noise is not None:
+        return verify_tree_greedy(perturbed(warp(logits, sampling), noise), tree)
+    return verify_tree_sampled(warp(logits, sampling), tree, generator)
 
 
 def kept_offsets(path: Sequence[int]) -> list[int]:
@@ -201,17 +211,33 @@ def kept_offsets(path: Sequence[int]) -> list[int]:
 @dataclass(frozen=True)
 class TreeShape:
     """How large a tree may grow: depth (the policy's k), nodes (the pass holds nodes + 1
-    tokens), and the measured costs that decide how much of that is worth it."""
+    tokens), and the costs that decide how much of that is worth it: a pass is priced at
+    the sizes `costs` holds, unknown past them."""
 
     max_depth: int
     max_nodes: int
-    pass_seconds: Sequence[float | None] = ()  # index: tokens fed; None where unmeasured
-    draft_seconds: float | None = None  # one draft pass
+    costs: CostCurve | None = None
 
     def pass_cost(self, fed: int) -> float | None:
-        if fed < len(self.pass_seconds):
-            return self.pass_seconds[fed]
-        return None
+        return None if self.costs is None else self.costs.measured(fed)
+
+    @property
+    def draft_seconds(self) -> float | None:
+        """One draft pass."""
+        return None if self.costs is None else self.costs.draft_seconds
+
+    @classmethod
+    def for_costs(cls, k: int, live: CostCurve | None, calibrated: CostCurve | None) -> TreeShape:
+        """k deep, with as many nodes as the costs say pay: those k auto measured in this
+        session (`live`; unmeasured sizes guessed optimistically, so that they get tried
+        and measured), else a calibration's, up to the largest pass measured; at least
+        DEFAULT_TREE_NODES where nothing was measured."""
+        if live is not None and live.verify_seconds:
+            largest = max(live.largest, k + 1, DEFAULT_TREE_NODES + 1)
+            return cls(k, largest - 1, live.filled(largest))
+        if calibrated is not None:
+            return cls(k, max(k, calibrated.largest - 1), calibrated)
+        return cls(k, max(k, DEFAULT_TREE_NODES))
 
 
 def best_node_count(path_probs: Sequence[float], shape: TreeShape, draft_spent: float) -> int:

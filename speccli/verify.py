@@ -12,6 +12,17 @@ from dataclasses import dataclass
 import torch
 
 from speccli.config import SamplingConfig
+from speccli.coupling import perturbed
+
+
+def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """The random source of one generation: seeded, or from the system's entropy."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
 
 
 def warp(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -70,14 +81,23 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome of verifying one draft: how many drafted tokens survive and the
-    target's own next token (resampled after a rejection, or a bonus if all survived)."""
+    """The outcome of verifying a draft, chain or tree (speccli.tree): the accepted nodes,
+    root to leaf (a chain's node i is its i-th token), and the target's own next token:
+    `resampled` after a rejection, else a bonus (or the target's token, when nothing
+    was drafted)."""
 
-    accepted: int
+    path: list[int]
     next_token: int
+    resampled: bool = False
 
-    def all_accepted(self, drafted: int) -> bool:
-        return self.accepted == drafted
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+    @classmethod
+    def chain(cls, accepted: int, next_token: int, drafted: int) -> Verdict:
+        """The verdict on a chain of `drafted` tokens whose first `accepted` survived."""
+        return cls(list(range(accepted)), next_token, resampled=accepted < drafted)
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
@@ -87,7 +107,7 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Ve
     n = draft_tokens.shape[0]
     mismatches = (best[:n] != draft_tokens).nonzero()
     accepted = int(mismatches[0, 0]) if mismatches.numel() else n
-    return Verdict(accepted=accepted, next_token=int(best[accepted]))
+    return Verdict.chain(accepted, int(best[accepted]), n)
 
 
 def verify_sampled(
@@ -112,11 +132,37 @@ def verify_sampled(
     else:
         accepted = 0
     if accepted == n:
-        return Verdict(accepted=n, next_token=int(sample(p[n], generator)))
+        return Verdict.chain(n, int(sample(p[n], generator)), n)
     if q is None:
         q_row = torch.zeros_like(p[accepted])
         q_row[draft_tokens[accepted]] = 1.0
     else:
         q_row = q[accepted]
     residual = residual_distribution(p[accepted], q_row)
-    return Verdict(accepted=accepted, next_token=int(sample(residual, generator)))
+    return Verdict.chain(accepted, int(sample(residual, generator)), n)
+
+
+def verify_coupled(p: torch.Tensor, draft_tokens: torch.Tensor, noise: torch.Tensor) -> Verdict:
+    """p: [n+1, V] warped target probabilities; draft_tokens: [n]; noise: [n+1, V], row i
+    the noise of the position p[i] decides. A drafted token survives iff it is the
+    target's Gumbel-max token there; the next token is the target's own at the first
+    position that did not survive (or the bonus position)."""
+    return verify_greedy(perturbed(p, noise), draft_tokens)
+
+
+def verify_chain(
+    logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    noise: torch.Tensor | None = None,
+) -> Verdict:
+    """The rule the sampling settings call for: greedy; coupled, given the noise rows of the
+    positions `logits` decide (a seeded generation, speccli.coupling); else the rejection rule."""
+    if sampling.greedy:
+        return verify_greedy(logits, draft_tokens)
+    if noise is not None:
+        return verify_coupled(warp(logits, sampling), draft_tokens, noise)
+    q = None if draft_probs is None else draft_probs.to(logits.device)
+    return verify_sampled(warp(logits, sampling), draft_tokens, q, generator)

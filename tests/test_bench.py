@@ -715,7 +715,7 @@ def test_k_auto_keeps_one_policy_across_runs_with_the_same_drafter(pairs, tokeni
 
     def use_drafter(d):
         original(d)
-        policies.append(generator.decoder._policy_for(BenchSettings(ks=("auto",)).spec_config("auto")))
+        policies.append(generator.decoder.policy_for(BenchSettings(ks=("auto",)).spec_config("auto")))
 
     generator.use_drafter = use_drafter
     settings = BenchSettings(max_new_tokens=8, ks=("auto",), repeat=2, warmup=False)

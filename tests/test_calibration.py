@@ -9,7 +9,7 @@ import torch
 
 from conftest import save_model_folder, wrap
 from speccli.autok import store as calibration_cache
-from speccli.autok.costs import CostProfile, measure_costs
+from speccli.autok.costs import CostCurve, measure_costs
 from speccli.autok.policy import AdaptiveDraftLength
 from speccli.autok.store import (
     calibrate,
@@ -25,8 +25,8 @@ from speccli.events import StepEvent
 from speccli.loop import SpeculativeDecoder
 from speccli.pipeline import load_pipeline
 
-STEEP = CostProfile({n: 0.1 * n for n in range(1, 10)}, 0.05)  # float32 on a CPU, roughly
-FLAT = CostProfile({n: 0.2 for n in range(1, 10)}, 0.01)  # bfloat16 here, roughly
+STEEP = CostCurve({n: 0.1 * n for n in range(1, 10)}, 0.05)  # float32 on a CPU, roughly
+FLAT = CostCurve({n: 0.2 for n in range(1, 10)}, 0.01)  # bfloat16 here, roughly
 
 
 def test_measure_costs_times_every_size_and_leaves_the_caches_empty(pairs):
@@ -148,27 +148,27 @@ def test_measure_costs_waits_for_each_cuda_pass_before_reading_the_clock(pairs, 
 
 
 def test_cost_profile_round_trips_and_refuses_nonsense():
-    assert CostProfile.from_dict(json.loads(json.dumps(STEEP.as_dict()))) == STEEP
+    assert CostCurve.from_dict(json.loads(json.dumps(STEEP.as_dict()))) == STEEP
     with pytest.raises(ValueError):
-        CostProfile.from_dict({"verify_seconds": {}, "draft_seconds": None})
+        CostCurve.from_dict({"verify_seconds": {}, "draft_seconds": None})
     with pytest.raises(ValueError):
-        CostProfile.from_dict({"verify_seconds": {"1": 0.0}, "draft_seconds": None})
+        CostCurve.from_dict({"verify_seconds": {"1": 0.0}, "draft_seconds": None})
     with pytest.raises(ValueError):
-        CostProfile.from_dict({"verify_seconds": {"1": 0.1}, "draft_seconds": -1})
+        CostCurve.from_dict({"verify_seconds": {"1": 0.1}, "draft_seconds": -1})
 
 
-def seeded(costs: CostProfile) -> AdaptiveDraftLength:
+def seeded(costs: CostCurve) -> AdaptiveDraftLength:
     policy = AdaptiveDraftLength(max_k=8)
     policy.costs.seed(costs.verify_seconds, costs.draft_seconds)
     return policy
 
 
 def test_a_pass_of_an_unmeasured_size_is_interpolated_or_continued_and_passes_are_summed():
-    costs = CostProfile({1: 0.2, 2: 0.16, 4: 0.2, 8: 0.28}, None)
-    assert costs.pass_seconds(2) == 0.16
-    assert costs.pass_seconds(3) == pytest.approx(0.18)  # between 2 and 4
-    assert costs.pass_seconds(12) == pytest.approx(0.36)  # 0.02 a token, as from 4 to 8
-    assert CostProfile({2: 0.2}, None).pass_seconds(1) == pytest.approx(0.1)
+    costs = CostCurve({1: 0.2, 2: 0.16, 4: 0.2, 8: 0.28}, None)
+    assert costs.interpolated(2) == 0.16
+    assert costs.interpolated(3) == pytest.approx(0.18)  # between 2 and 4
+    assert costs.interpolated(12) == pytest.approx(0.36)  # 0.02 a token, as from 4 to 8
+    assert CostCurve({2: 0.2}, None).interpolated(1) == pytest.approx(0.1)
     assert costs.modelled_seconds({1: 10, 3: 2, 12: 1}) == pytest.approx(2.0 + 0.36 + 0.36)
 
 
@@ -243,7 +243,7 @@ def test_calibrate_measures_once_then_reads_the_cache(folders, tmp_path, monkeyp
     again.target.stock_rows = {"64x32": 4}
     assert calibration_identity(again, 4)["target"]["stock_rows"] == {"64x32": 4}
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: FLAT)
-    assert calibrate(again, max_k=3, cache_dir=tmp_path) == CostProfile(FLAT.verify_seconds, STEEP.draft_seconds)
+    assert calibrate(again, max_k=3, cache_dir=tmp_path) == CostCurve(FLAT.verify_seconds, STEEP.draft_seconds)
 
 
 def test_a_damaged_cache_file_is_measured_again(folders, tmp_path, monkeypatch):
@@ -253,7 +253,7 @@ def test_a_damaged_cache_file_is_measured_again(folders, tmp_path, monkeypatch):
     path.write_text("{not json")
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: FLAT)
     assert calibrate(pipeline, max_k=3, cache_dir=tmp_path) == FLAT
-    assert CostProfile.from_dict(json.loads(path.read_text())["costs"]) == CostProfile(FLAT.verify_seconds, None)
+    assert CostCurve.from_dict(json.loads(path.read_text())["costs"]) == CostCurve(FLAT.verify_seconds, None)
 
 
 def test_prompt_lookup_is_calibrated_without_a_draft_pass_and_plain_not_at_all(folders, tmp_path):
@@ -278,7 +278,7 @@ def test_the_target_is_calibrated_once_for_every_drafter_and_a_draft_model_times
     monkeypatch.setattr(calibration_cache, "measure_draft_seconds", lambda draft: timed.append(draft) or 0.02)
     with_draft = pipeline_for(folders)
     messages: list[str] = []
-    assert calibrate(with_draft, max_k=2, progress=messages.append, cache_dir=tmp_path) == CostProfile(
+    assert calibrate(with_draft, max_k=2, progress=messages.append, cache_dir=tmp_path) == CostCurve(
         costs.verify_seconds, 0.02
     )
     assert timed == [with_draft.decoder.drafter.model]
@@ -351,7 +351,7 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
     policy_generator = again.speculator()
     policy_generator.calibrate(auto.max_k)
     assert again.decoder.prior == saved
-    policy = again.decoder._policy_for(auto)
+    policy = again.decoder.policy_for(auto)
     assert policy.prior == list(saved.acceptance) and policy.prior_steps == saved.steps
     assert AcceptancePrior((policy.opening_prior,), policy.opening_prior_steps) == saved.opening
 
@@ -373,7 +373,7 @@ def test_prompt_lookup_remembers_its_acceptance_by_match_length(folders, tmp_pat
     from speccli.drafters.ngram import LOOKUP_ACCEPTANCE
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: CostProfile(FLAT.verify_seconds, None))
+    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: CostCurve(FLAT.verify_seconds, None))
     pipeline = pipeline_for(folders, draft="ngram")
     auto = SpecConfig(k="auto", max_new_tokens=48)
     pipeline.speculator().stream([5, 6, 7, 5, 6, 7, 5, 6], SamplingConfig(), auto).run()
@@ -389,7 +389,7 @@ def test_prompt_lookup_remembers_its_acceptance_by_match_length(folders, tmp_pat
     # The next session starts each match length from what it learned, the others from the default.
     again = pipeline_for(folders, draft="ngram")
     again.speculator().calibrate(auto.max_k)
-    policy = again.decoder._policy_for(auto)
+    policy = again.decoder.policy_for(auto)
     for match in (1, 2, 3):
         remembered = saved.for_match(match)
         expected = list(remembered.acceptance) if remembered else list(LOOKUP_ACCEPTANCE[match])
@@ -399,7 +399,7 @@ def test_prompt_lookup_remembers_its_acceptance_by_match_length(folders, tmp_pat
 def test_pass_times_tell_a_calibration_that_overstates_the_costs():
     from speccli.autok.costs import OVERSTATED_BY, MIN_PASSES, Overstatement, PassTimes
 
-    loaded = CostProfile({1: 0.722, 16: 1.286, 17: 0.765}, None)  # measured while the test suite ran
+    loaded = CostCurve({1: 0.722, 16: 1.286, 17: 0.765}, None)  # measured while the test suite ran
     times = PassTimes()
     for _ in range(MIN_PASSES - 1):
         times.record(17, 0.43)
@@ -411,8 +411,8 @@ def test_pass_times_tell_a_calibration_that_overstates_the_costs():
 
     # Passes slower than the calibration (this moment is the busy one), or faster by less
     # than OVERSTATED_BY, leave it standing.
-    assert times.overstatement(CostProfile({17: 0.3}, None)) is None
-    assert times.overstatement(CostProfile({17: 0.43 * OVERSTATED_BY * 0.99}, None)) is None
+    assert times.overstatement(CostCurve({17: 0.3}, None)) is None
+    assert times.overstatement(CostCurve({17: 0.43 * OVERSTATED_BY * 0.99}, None)) is None
     for _ in range(MIN_PASSES):
         times.record(1, 0.2)
     assert times.overstatement(loaded).fed == 1  # the size it overstates most
@@ -422,8 +422,8 @@ def test_a_calibration_the_passes_show_overstated_is_dropped_and_measured_again(
     from speccli.autok.costs import MIN_PASSES
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
-    measured: list[CostProfile] = []
-    slow = CostProfile({n: 10.0 for n in range(1, 10)}, 0.5)  # tiny models' passes take milliseconds
+    measured: list[CostCurve] = []
+    slow = CostCurve({n: 10.0 for n in range(1, 10)}, 0.5)  # tiny models' passes take milliseconds
 
     def measure(*args, **kwargs):
         measured.append(slow)
@@ -444,7 +444,7 @@ def test_a_calibration_the_passes_show_overstated_is_dropped_and_measured_again(
     assert "measured on a busier machine" in notice and "not 10000 ms" in notice
 
     # The next generation says it, then measures again; costs the passes bear out stay cached.
-    honest = CostProfile({n: 1e-6 for n in range(1, 10)}, 1e-7)
+    honest = CostCurve({n: 1e-6 for n in range(1, 10)}, 1e-7)
     measured.clear()
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: measured.append(honest) or honest)
     messages.clear()
@@ -467,7 +467,7 @@ def test_the_check_after_a_generation_reads_the_decoder_that_ran_it(folders, tmp
     from speccli.autok.store import prior_path, read_prior
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
-    slow = CostProfile({n: 10.0 for n in range(1, 10)}, 0.5)
+    slow = CostCurve({n: 10.0 for n in range(1, 10)}, 0.5)
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: slow)
     pipeline = pipeline_for(folders)
     generator = pipeline.speculator()

@@ -16,16 +16,16 @@ from speccli.api import Speculator
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.coupling import (
     PositionNoise,
+    coupled,
     gumbel_argmax,
     gumbel_noise,
     position_seed,
-    verify_coupled,
 )
 from speccli.drafters.model import ModelDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.events import Provenance, StepEvent, TokenEvent
-from speccli.loop import SpeculativeDecoder, coupled
-from speccli.verify import Verdict, warp
+from speccli.loop import SpeculativeDecoder
+from speccli.verify import Verdict, verify_coupled, warp
 from test_decoder_sampling import (
     CONTINUATION,
     assert_follows,
@@ -85,14 +85,14 @@ def test_verify_coupled_is_the_targets_gumbel_max_token_at_each_position():
     p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.8, 0.0], [0.25, 0.25, 0.25, 0.25]])
     zero = torch.zeros(3, 4)
     # Zero noise: the target's token is its argmax at each row.
-    assert verify_coupled(p, torch.tensor([0, 2]), zero) == Verdict(2, 0)  # both survive, bonus
-    assert verify_coupled(p, torch.tensor([0, 1]), zero) == Verdict(1, 2)  # second rejected: target's own
-    assert verify_coupled(p, torch.tensor([1, 2]), zero) == Verdict(0, 0)
-    assert verify_coupled(p[:1], torch.tensor([], dtype=torch.long), zero[:1]) == Verdict(0, 0)
+    assert verify_coupled(p, torch.tensor([0, 2]), zero) == Verdict.chain(2, 0, drafted=2)  # both survive, bonus
+    assert verify_coupled(p, torch.tensor([0, 1]), zero) == Verdict.chain(1, 2, drafted=2)  # second rejected: target's own
+    assert verify_coupled(p, torch.tensor([1, 2]), zero) == Verdict.chain(0, 0, drafted=2)
+    assert verify_coupled(p[:1], torch.tensor([], dtype=torch.long), zero[:1]) == Verdict.chain(0, 0, drafted=0)
     # Noise moves the target's token; a zero of p stays impossible whatever the noise.
     noise = torch.tensor([[0.0, 5.0, 0.0, 100.0], [0.0, 0.0, 0.0, 100.0], [0.0, 0.0, 9.0, 0.0]])
-    assert verify_coupled(p, torch.tensor([1, 2]), noise) == Verdict(2, 2)
-    assert verify_coupled(p, torch.tensor([0, 2]), noise) == Verdict(0, 1)
+    assert verify_coupled(p, torch.tensor([1, 2]), noise) == Verdict.chain(2, 2, drafted=2)
+    assert verify_coupled(p, torch.tensor([0, 2]), noise) == Verdict.chain(0, 1, drafted=2)
 
 
 def test_the_rule_follows_the_seed():

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import char_tokenizer, wrap
 from speccli.api import Speculator
-from speccli.autok.costs import CostProfile
+from speccli.autok.costs import CostCurve
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.context import ContextOverflowError
 from speccli.drafters.model import ModelDrafter
@@ -16,7 +16,7 @@ from speccli.prompts import NoChatTemplateError, Prompt, PromptError, encode_pro
 from speccli.stats import speedup
 
 EOS = 2
-FLAT = CostProfile({n: 0.01 for n in range(1, 10)}, 0.001)
+FLAT = CostCurve({n: 0.01 for n in range(1, 10)}, 0.001)
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -24,7 +24,7 @@ TEMPLATE = (
 
 
 def generator_for(pair, tokenizer, calls: list[int] | None = None) -> Speculator:
-    def calibrate(max_k: int) -> CostProfile:
+    def calibrate(max_k: int) -> CostCurve:
         calls.append(max_k)
         return FLAT
 
@@ -43,7 +43,7 @@ def test_k_auto_calibrates_once_when_first_asked_for_and_seeds_the_policy(pairs,
     auto = SpecConfig(k="auto", max_new_tokens=4)
     first = generator.stream(Prompt.of("abc"), greedy, auto)
     assert calls == [16] and generator.decoder.costs is FLAT
-    assert generator.decoder._policy_for(auto).costs.verify == FLAT.verify_seconds  # starts from the calibration
+    assert generator.decoder.policy_for(auto).costs.verify == FLAT.verify_seconds  # starts from the calibration
     first.run()
     generator.stream(Prompt.of("abc"), greedy, auto).run()
     assert calls == [16]

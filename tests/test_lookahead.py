@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama, wrap, wrap_static
-from speccli.autok.costs import CostProfile
+from speccli.autok.costs import CostCurve
 from speccli.autok.lookahead import DEFAULT_SHAPE, LookaheadGate, LookaheadShape, choose_shape, window_gain
 from speccli.autok.policy import DraftLengthPolicy
 from speccli.config import SamplingConfig, SpecConfig
@@ -145,45 +145,45 @@ AMD_BFLOAT16 = {1: 1.0, 2: 1.0, 3: 1.04, 4: 1.06, 5: 1.11, 6: 1.16, 7: 1.16, 8: 
 class TestShapeChoice:
     def test_flat_costs_take_the_largest_measured_shape(self):
         costs = {fed: 0.170 for fed in range(1, 18)}
-        assert choose_shape(costs) == LookaheadShape(5, 3, 3)
+        assert choose_shape(CostCurve(costs, None)) == LookaheadShape(5, 3, 3)
 
     def test_a_gpu_like_curve_takes_a_shape_larger_than_a_cpu_calibration_measures(self):
         # An H200 with CUDA graphs: 9.2 ms for 1 token, 11.2 for 2, 11.9 for 16, then slowly more.
         costs = {1: 0.0092, 2: 0.0112, **{fed: 0.0119 + 0.00002 * (fed - 16) for fed in range(3, 35)}}
-        assert choose_shape(costs) == LookaheadShape(7, 4, 4)  # 34 tokens
+        assert choose_shape(CostCurve(costs, None)) == LookaheadShape(7, 4, 4)  # 34 tokens
 
     def test_a_jump_after_one_token_means_plain_decoding(self):
         costs = {1: 0.404, **{fed: 1.0 for fed in range(2, 18)}}
-        assert choose_shape(costs) is None
+        assert choose_shape(CostCurve(costs, None)) is None
 
     def test_a_curve_that_grows_with_every_token_takes_a_small_shape(self):
         # A 2-core AMD EPYC in bfloat16: 184 ms for 1 token, 222 for 7, 255 for 11, 289 for 16.
         costs = {fed: 0.2 * (1 + 0.025 * (fed - 1)) for fed in range(1, 18)}  # 17 tokens: 1.4x
-        assert choose_shape(costs) == LookaheadShape(2, 2, 1)  # 4 tokens: 1.075x, for 0.11 more tokens
+        assert choose_shape(CostCurve(costs, None)) == LookaheadShape(2, 2, 1)  # 4 tokens: 1.075x, for 0.11 more tokens
 
     def test_where_a_few_tokens_cost_what_one_does_a_small_window(self):
         # The AMD EPYC in bfloat16 on 2026-12-03 (one-token products as two rows): 4 tokens
         # 1.06x one, 7 tokens 1.16x; the 7-token shape promises 1.14 tokens for 1.16x a pass.
-        assert choose_shape({fed: 0.162 * r for fed, r in AMD_BFLOAT16.items()}) == LookaheadShape(2, 2, 1)
+        assert choose_shape(CostCurve({fed: 0.162 * r for fed, r in AMD_BFLOAT16.items()}, None)) == LookaheadShape(2, 2, 1)
 
     def test_the_smallest_window_where_its_pass_is_the_cheaper(self):
         costs = {1: 0.1, 2: 0.1, 3: 0.1, **{fed: 0.11 + 0.01 * fed for fed in range(4, 18)}}
-        assert choose_shape(costs) == LookaheadShape(1, 2, 1)
+        assert choose_shape(CostCurve(costs, None)) == LookaheadShape(1, 2, 1)
 
     def test_a_nearly_flat_cpu_curve_takes_the_largest_measured_shape(self):
         # A 2-core Xeon with AMX in bfloat16 (scripts/pass_costs.py): 16 tokens cost 1.14x one.
         ms = {1: 170, 2: 166, 3: 168, 4: 170, 6: 174, 8: 176, 12: 183, 16: 193, 17: 194}
-        assert choose_shape({fed: t / 1000 for fed, t in ms.items()}) == LookaheadShape(5, 3, 3)
+        assert choose_shape(CostCurve({fed: t / 1000 for fed, t in ms.items()}, None)) == LookaheadShape(5, 3, 3)
 
     def test_float32_here_means_plain_decoding(self):
         # The float32 calibration of this CPU: 270 ms, 355, 328 (4), 405 (8), 555 (16), 572 (17).
         costs = {1: 0.270, 2: 0.355, 4: 0.328, 8: 0.405, 16: 0.555, 17: 0.572}
-        assert choose_shape(costs) is None
+        assert choose_shape(CostCurve(costs, None)) is None
 
     def test_a_noisy_small_pass_is_not_trusted_over_a_larger_one(self):
         # 7 tokens measured slow once, 9 cheaper: a 7-token pass costs at most what 9 do.
         costs = {1: 0.2, 7: 0.5, 9: 0.22}
-        assert choose_shape(costs) == LookaheadShape(2, 3, 1)
+        assert choose_shape(CostCurve(costs, None)) == LookaheadShape(2, 3, 1)
 
     def test_a_one_token_pass_is_priced_as_the_gate_prices_it(self):
         # The AMD EPYC in bfloat16 (a benchmark's calibration, ms): one token measured dearer than
@@ -191,7 +191,7 @@ class TestShapeChoice:
         # as the gate prices a one-token pass, its window would not ride there: none.
         ms = {1: 170, 2: 162, 3: 190, 4: 182, 5: 195, 6: 195, 7: 187, 8: 212, 9: 216, 10: 244, 11: 258, 12: 224,
               13: 236, 14: 239, 15: 253, 16: 278, 17: 247}
-        assert choose_shape({fed: t / 1000 for fed, t in ms.items()}) is None
+        assert choose_shape(CostCurve({fed: t / 1000 for fed, t in ms.items()}, None)) is None
 
     def test_without_measurements_the_default(self):
         assert choose_shape(None) == DEFAULT_SHAPE
@@ -217,8 +217,8 @@ def test_lookahead_equals_target_greedy(pairs, tokenizer, pair_index, k):
     pair = pairs[pair_index]
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], LookaheadDrafter())
     if k in AUTO_COSTS:
-        decoder.costs = CostProfile(AUTO_COSTS[k], None)
-        shape = choose_shape(decoder.costs.verify_seconds)
+        decoder.costs = CostCurve(AUTO_COSTS[k], None)
+        shape = choose_shape(decoder.costs)
         assert shape == (LookaheadShape(2, 2, 1) if k == "auto-steep" else LookaheadShape(5, 3, 3))
         k = "auto"
     accepted = 0
@@ -254,7 +254,7 @@ def virtual_clock(decoder: SpeculativeDecoder, seconds: dict[int, float]) -> Non
     decoder._clock = lambda: now[0]
 
 
-def beside_prompt_lookup(target, tokenizer, costs: CostProfile) -> dict[str, SpeculativeDecoder]:
+def beside_prompt_lookup(target, tokenizer, costs: CostCurve) -> dict[str, SpeculativeDecoder]:
     """A lookahead decoder and a `--draft ngram` one over the same target, costs and virtual clock."""
     from speccli.drafters.ngram import PromptLookupDrafter
 
@@ -285,12 +285,12 @@ def test_where_no_shape_pays_lookahead_makes_the_passes_prompt_lookup_makes(pair
     from speccli.autok.policy import DraftLengthByMatch
 
     # Passes over 2-17 tokens cost 1.6x one: no lookahead shape pays, drafts that come true do.
-    costs = CostProfile({1: 0.1, **{fed: 0.16 for fed in range(2, 18)}}, None)
-    assert choose_shape(costs.verify_seconds) is None
+    costs = CostCurve({1: 0.1, **{fed: 0.16 for fed in range(2, 18)}}, None)
+    assert choose_shape(costs) is None
     target = pairs[0].target
     decoders = beside_prompt_lookup(target, tokenizer, costs)
     auto = SpecConfig(k="auto", max_new_tokens=MAX_NEW)
-    assert isinstance(decoders["lookahead"]._policy_for(auto), DraftLengthByMatch)
+    assert isinstance(decoders["lookahead"].policy_for(auto), DraftLengthByMatch)
     steps = same_passes_as_prompt_lookup(decoders, target, tokenizer, auto)
     assert sum(drafted for _, drafted, _, _ in steps) > 0  # the text's own n-grams were drafted, not only plain steps
 
@@ -298,7 +298,7 @@ def test_where_no_shape_pays_lookahead_makes_the_passes_prompt_lookup_makes(pair
 def test_where_neither_lookahead_nor_prompt_lookup_pays_plain_decoding(pairs, tokenizer):
     pair = pairs[0]
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], LookaheadDrafter())
-    decoder.costs = CostProfile({1: 0.4, **{fed: 1.0 for fed in range(2, 18)}}, None)
+    decoder.costs = CostCurve({1: 0.4, **{fed: 1.0 for fed in range(2, 18)}}, None)
     events = list(decoder.generate(encode(tokenizer, "hello"), SamplingConfig(), SpecConfig(k="auto", max_new_tokens=8)))
     steps = [e for e in events if isinstance(e, StepEvent)]
     assert all(e.fed == 1 and not e.tree for e in steps)
@@ -308,14 +308,14 @@ def test_where_neither_lookahead_nor_prompt_lookup_pays_plain_decoding(pairs, to
 def test_with_tree_the_steps_the_gate_holds_back_are_prompt_lookups_trees(pairs, tokenizer):
     # Nearly flat costs, each token a little dearer (so the window is never free): lookahead's
     # shape pays, and its gate is made to hold it back throughout.
-    costs = CostProfile({fed: 0.1 + 0.001 * fed for fed in range(1, 18)}, None)
+    costs = CostCurve({fed: 0.1 + 0.001 * fed for fed in range(1, 18)}, None)
     target = pairs[0].target
     decoders = beside_prompt_lookup(target, tokenizer, costs)
     tree_auto = SpecConfig(k="auto", max_new_tokens=MAX_NEW, tree=True)
-    gate = decoders["lookahead"]._policy_for(tree_auto)
+    gate = decoders["lookahead"].policy_for(tree_auto)
     assert isinstance(gate, LookaheadGate)
     gate.window_value, gate.prior_gain, gate.probe_every = 0.0, 0.0, 10**6  # neither the window nor the pool pays
-    decoders["lookahead"]._policy_for = lambda spec: gate
+    decoders["lookahead"].policy_for = lambda spec: gate
     # The passes `--draft ngram --tree` makes: its trees, no window beside them.
     steps = same_passes_as_prompt_lookup(decoders, target, tokenizer, tree_auto)
     assert any(tree and fed > 1 for fed, _, _, tree in steps)
@@ -330,8 +330,8 @@ def test_no_pass_is_larger_than_the_largest_measured(pairs, tokenizer):
     # the window beside a cut one, it is verified alone, as --draft ngram verifies it.
     pair = pairs[0]
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], LookaheadDrafter())
-    decoder.costs = CostProfile({fed: 0.1 for fed in range(1, 14)}, None)
-    assert choose_shape(decoder.costs.verify_seconds) == LookaheadShape(4, 3, 2)
+    decoder.costs = CostCurve({fed: 0.1 for fed in range(1, 14)}, None)
+    assert choose_shape(decoder.costs) == LookaheadShape(4, 3, 2)
     steps = []
     for prompt in PROMPTS:
         ids = encode(tokenizer, prompt)
@@ -374,7 +374,7 @@ SHAPE = LookaheadShape(2, 3, 1)  # the window and the pool: 6 tokens beside the 
 
 def make_gate(k: int, expected: float, pass_seconds: dict[int, float], **kwargs) -> LookaheadGate:
     """A gate over prompt lookup's k auto drafting k, expecting `expected` tokens, on this cost curve."""
-    return LookaheadGate(SHAPE, LookupStub(k, expected, pass_seconds), dict(pass_seconds), **kwargs)
+    return LookaheadGate(SHAPE, LookupStub(k, expected, pass_seconds), CostCurve(dict(pass_seconds), None), **kwargs)
 
 
 class TestGate:
@@ -442,7 +442,7 @@ class TestGate:
 
     def test_a_lookahead_step_teaches_prompt_lookup_its_guess_and_the_gate_the_gain(self):
         stub = LookupStub(3, 2.0, {fed: 0.1 for fed in range(1, 18)})
-        gate = LookaheadGate(SHAPE, stub, dict(stub.costs.verify), prior_gain=0.5, prior_steps=1.0)
+        gate = LookaheadGate(SHAPE, stub, CostCurve(dict(stub.costs.verify), None), prior_gain=0.5, prior_steps=1.0)
         gate.next_k()
         step = StepEvent(0, 3, 3, 0.0, 0.14, fed=10, tree=True, guessed=3, guessed_kept=1)
         gate.observe(step)
@@ -453,7 +453,7 @@ class TestGate:
 
     def test_prompt_lookups_own_steps_reach_it_whole(self):
         stub = LookupStub(2, 2.5, {1: 0.1, 3: 0.1, 9: 0.3, 17: 0.4})
-        gate = LookaheadGate(SHAPE, stub, dict(stub.costs.verify), prior_gain=0.0)
+        gate = LookaheadGate(SHAPE, stub, CostCurve(dict(stub.costs.verify), None), prior_gain=0.0)
         gate.next_k()
         gate.observe(StepEvent(0, 2, 1, 0.0, 0.1))
         assert [e.step for e in stub.observed] == [0] and stub.learned == []
@@ -527,12 +527,12 @@ def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
     from speccli.autok.policy import FixedDraftLength
 
     decoder = SpeculativeDecoder(wrap(pairs[0].target), tokenizer, [EOS], LookaheadDrafter())
-    decoder.costs = CostProfile({1: 0.1, **{fed: 0.12 for fed in range(2, 18)}}, None)
-    gate = decoder._policy_for(SpecConfig(k="auto", max_new_tokens=8))
+    decoder.costs = CostCurve({1: 0.1, **{fed: 0.12 for fed in range(2, 18)}}, None)
+    gate = decoder.policy_for(SpecConfig(k="auto", max_new_tokens=8))
     assert isinstance(gate, LookaheadGate) and gate.shape == DEFAULT_SHAPE
     assert gate.extra == 16 and gate.prior_gain == pytest.approx(window_gain(17))
-    assert gate.meanwhile is decoder._adaptive  # prompt lookup's k auto, as --draft ngram's
-    fixed = decoder._policy_for(SpecConfig(k=3, max_new_tokens=8))
+    assert gate.meanwhile is decoder.k_auto.kept  # prompt lookup's k auto, as --draft ngram's
+    fixed = decoder.policy_for(SpecConfig(k=3, max_new_tokens=8))
     assert isinstance(fixed, FixedDraftLength) and fixed.k == 3
 
 
@@ -540,7 +540,7 @@ def test_where_the_window_pays_beside_no_guess_it_rides_every_step_there(pairs, 
     # The AMD EPYC's bfloat16 curve (W 2, N 2, G 1): the window's 2 tokens beside the pending
     # one cost 1.04x a one-token pass, less than its 0.11 tokens a step are worth.
     decoder = SpeculativeDecoder(wrap(pairs[0].target), tokenizer, [EOS], LookaheadDrafter())
-    decoder.costs = CostProfile(AUTO_COSTS["auto-steep"], None)
+    decoder.costs = CostCurve(AUTO_COSTS["auto-steep"], None)
     steps = []
     for prompt in PROMPTS:
         events = list(decoder.generate(encode(tokenizer, prompt), SamplingConfig(), SpecConfig(k="auto", max_new_tokens=MAX_NEW)))

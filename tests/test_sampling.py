@@ -390,36 +390,36 @@ class TestVerifyGreedy:
     def test_all_accepted_gives_bonus_from_last_row(self):
         logits = logits_with_argmax([3, 1, 4, 7])
         verdict = verify_greedy(logits, torch.tensor([3, 1, 4]))
-        assert verdict == Verdict(accepted=3, next_token=7)
-        assert verdict.all_accepted(3)
+        assert verdict == Verdict.chain(3, 7, drafted=3)
+        assert verdict.path == [0, 1, 2] and not verdict.resampled  # a bonus
         assert isinstance(verdict.accepted, int) and isinstance(verdict.next_token, int)
 
     @pytest.mark.parametrize(
         "draft, expected",
         [
-            ([0, 1, 4], Verdict(0, 3)),
-            ([3, 2, 4], Verdict(1, 1)),
-            ([3, 1, 5], Verdict(2, 4)),
-            ([3, 2, 9], Verdict(1, 1)),  # the first mismatch wins
-            ([9, 9, 9], Verdict(0, 3)),
+            ([0, 1, 4], Verdict.chain(0, 3, drafted=3)),
+            ([3, 2, 4], Verdict.chain(1, 1, drafted=3)),
+            ([3, 1, 5], Verdict.chain(2, 4, drafted=3)),
+            ([3, 2, 9], Verdict.chain(1, 1, drafted=3)),  # the first mismatch wins
+            ([9, 9, 9], Verdict.chain(0, 3, drafted=3)),
         ],
     )
     def test_first_mismatch(self, draft, expected):
         verdict = verify_greedy(logits_with_argmax([3, 1, 4, 7]), torch.tensor(draft))
         assert verdict == expected
-        assert not verdict.all_accepted(3)
+        assert verdict.resampled
 
     def test_zero_length_draft(self):
         verdict = verify_greedy(logits_with_argmax([6]), torch.zeros(0, dtype=torch.long))
-        assert verdict == Verdict(accepted=0, next_token=6)
-        assert verdict.all_accepted(0)
+        assert verdict == Verdict.chain(0, 6, drafted=0)
+        assert verdict.path == [] and not verdict.resampled
 
     def test_ties_resolve_to_the_first_index(self):
         # Observed (torch.argmax): a draft token tied for the max but not the first such
         # index is rejected, and the first index is emitted.
         logits = torch.tensor([[0.0, 5.0, 5.0], [1.0, 0.0, 0.0]])
-        assert verify_greedy(logits, torch.tensor([2])) == Verdict(0, 1)
-        assert verify_greedy(logits, torch.tensor([1])) == Verdict(1, 0)
+        assert verify_greedy(logits, torch.tensor([2])) == Verdict.chain(0, 1, drafted=1)
+        assert verify_greedy(logits, torch.tensor([1])) == Verdict.chain(1, 0, drafted=1)
 
 
 # --------------------------------------------------------------------------- the rule, vectorised
@@ -595,15 +595,15 @@ class TestVerifySampledBasics:
         p = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
         empty = torch.zeros(0, dtype=torch.long)
         for q in (None, torch.zeros(0, 4)):
-            assert verify_sampled(p, empty, q, gen(18)) == Verdict(0, 2)
+            assert verify_sampled(p, empty, q, gen(18)) == Verdict.chain(0, 2, drafted=0)
 
     def test_target_certain_of_draft_always_accepts(self):
         p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
         q = torch.tensor([[0.3, 0.4, 0.3], [0.0, 0.1, 0.9]])
         g = gen(19)
         for _ in range(200):
-            assert verify_sampled(p, torch.tensor([1, 2]), q, g) == Verdict(2, 0)
-            assert verify_sampled(p, torch.tensor([1, 2]), None, g) == Verdict(2, 0)
+            assert verify_sampled(p, torch.tensor([1, 2]), q, g) == Verdict.chain(2, 0, drafted=2)
+            assert verify_sampled(p, torch.tensor([1, 2]), None, g) == Verdict.chain(2, 0, drafted=2)
 
     def test_target_zero_on_draft_never_accepts(self):
         p = torch.tensor([[0.5, 0.0, 0.5], [0.2, 0.3, 0.5]])
@@ -618,7 +618,7 @@ class TestVerifySampledBasics:
         p = torch.tensor([[0.2, 0.8], [1.0, 0.0]])
         q = torch.tensor([[1.0, 0.0]])
         g = gen(21)
-        assert all(verify_sampled(p, torch.tensor([1]), q, g) == Verdict(1, 0) for _ in range(200))
+        assert all(verify_sampled(p, torch.tensor([1]), q, g) == Verdict.chain(1, 0, drafted=1) for _ in range(200))
 
 
 @pytest.mark.parametrize("case, seed", [("zeros_in_q", 300), ("dirichlet", 301)])

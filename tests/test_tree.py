@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama, wrap, wrap_static
+from speccli.autok.costs import CostCurve
 from speccli.config import SamplingConfig
 from speccli.drafters.trees import _candidates, trie
 from speccli.tree import (
@@ -166,11 +167,11 @@ class TestNodeCount:
     def test_stops_where_a_larger_pass_costs_more_than_its_expected_tokens(self):
         # A pass costs 1 s up to 4 tokens fed, then 2 s: three nodes (path probabilities
         # 0.9, 0.5, 0.3) fit in 4 tokens; a fourth at 0.2 would double the cost.
-        shape = TreeShape(max_depth=4, max_nodes=8, pass_seconds=[None, 1, 1, 1, 1, 2, 2, 2, 2, 2])
+        shape = TreeShape(max_depth=4, max_nodes=8, costs=CostCurve({1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2, 7: 2, 8: 2, 9: 2}, None))
         assert best_node_count([0.9, 0.5, 0.3, 0.2, 0.1], shape, draft_spent=0.1) == 3
 
     def test_flat_costs_take_every_candidate_up_to_the_budget(self):
-        shape = TreeShape(max_depth=4, max_nodes=4, pass_seconds=[None] + [1.0] * 9)
+        shape = TreeShape(max_depth=4, max_nodes=4, costs=CostCurve({fed: 1.0 for fed in range(1, 10)}, None))
         assert best_node_count([0.9, 0.5, 0.3, 0.2, 0.1], shape, draft_spent=0.1) == 4
 
     def test_without_costs_takes_the_budget(self):

@@ -35,9 +35,20 @@ ROUNDS = 8
 
 
 @dataclass(frozen=True)
-class CostProfile:
-    """Seconds of one target pass by number of tokens fed, and of one draft token
-    (None when drafting costs no model pass)."""
+class CostCurve:
+    """What specgen knows of this machine's costs: seconds of one target pass by number of
+    tokens fed, and of one draft token (None when drafting costs no model pass).
+
+    Measured by `measure_costs` (a calibration), stored by speccli.autok.store, updated
+    online by the policies' StepCosts, and read between the sizes measured in one of three
+    ways, each for its reader:
+
+    * `interpolated`: the best estimate, for modelling what a run's passes cost;
+    * `optimistic`: an untried size guessed as cheap as the largest smaller one, so that a
+      size that could pay gets tried and measured (k auto, token trees);
+    * `cautious`: the cheapest measured pass over as many tokens or more, nothing past the
+      largest (lookahead, whose shape must not rest on one noisy measurement).
+    """
 
     verify_seconds: dict[int, float]
     draft_seconds: float | None
@@ -48,7 +59,15 @@ class CostProfile:
             "draft_seconds": self.draft_seconds,
         }
 
-    def pass_seconds(self, fed: int) -> float:
+    @property
+    def largest(self) -> int:
+        """The largest pass measured (0 when none was)."""
+        return max(self.verify_seconds, default=0)
+
+    def measured(self, fed: int) -> float | None:
+        return self.verify_seconds.get(fed)
+
+    def interpolated(self, fed: int) -> float:
         """A pass over `fed` tokens: measured, else interpolated between the nearest sizes
         measured, or past the largest continued at the slope of the curve's upper half."""
         if fed in self.verify_seconds:
@@ -66,13 +85,46 @@ class CostProfile:
         slope = 0.0 if middle == largest else (self.verify_seconds[largest] - self.verify_seconds[middle]) / (largest - middle)
         return self.verify_seconds[largest] + max(0.0, slope) * (fed - largest)
 
+    def optimistic(self, fed: int) -> float | None:
+        """Measured, else an optimistic guess, so that an untried size that could pay is
+        tried once and measured. Feeding more tokens never costs less, so the guess is
+        the cost of the largest measured smaller size; below the smallest measured size,
+        a cost proportional to the tokens fed. None when nothing was measured."""
+        if not self.verify_seconds:
+            return None
+        if fed in self.verify_seconds:
+            return self.verify_seconds[fed]
+        below = [n for n in self.verify_seconds if n < fed]
+        if below:
+            return self.verify_seconds[max(below)]
+        smallest = min(self.verify_seconds)
+        return self.verify_seconds[smallest] * fed / smallest
+
+    def cautious(self, fed: int) -> float | None:
+        """The cheapest measured pass over as many tokens or more (a pass over more tokens is
+        no cheaper; one measurement's noise is not trusted over a larger pass's); None when
+        nothing that large was measured."""
+        measured = [seconds for size, seconds in self.verify_seconds.items() if size >= fed]
+        return min(measured) if measured else None
+
+    def step_seconds(self, k: int) -> float | None:
+        """A step that drafts k tokens and verifies them (optimistic pass cost)."""
+        verify = self.optimistic(k + 1)
+        if verify is None:
+            return None
+        return verify + k * (self.draft_seconds or 0.0)
+
+    def filled(self, up_to: int) -> CostCurve:
+        """This curve with every size 1..up_to priced (optimistically where unmeasured)."""
+        return CostCurve({fed: self.optimistic(fed) for fed in range(1, up_to + 1)}, self.draft_seconds)
+
     def modelled_seconds(self, passes: dict[int, int]) -> float:
-        """What passes of these sizes (tokens fed: count) cost by this profile: a timing free
+        """What passes of these sizes (tokens fed: count) cost by this curve: a timing free
         of the noise of the moment they ran in, for methods whose cost is their target passes."""
-        return sum(count * self.pass_seconds(fed) for fed, count in passes.items())
+        return sum(count * self.interpolated(fed) for fed, count in passes.items())
 
     @classmethod
-    def from_dict(cls, data: dict) -> CostProfile:
+    def from_dict(cls, data: dict) -> CostCurve:
         verify = {int(fed): float(seconds) for fed, seconds in data["verify_seconds"].items()}
         if not verify or any(fed < 1 or seconds <= 0 for fed, seconds in verify.items()):
             raise ValueError("verify_seconds needs positive seconds for sizes >= 1")
@@ -111,7 +163,7 @@ class PassTimes:
     def record(self, fed: int, seconds: float) -> None:
         self.seconds.setdefault(fed, deque(maxlen=self.keep)).append(seconds)
 
-    def overstatement(self, costs: CostProfile, min_passes: int = MIN_PASSES) -> Overstatement | None:
+    def overstatement(self, costs: CostCurve, min_passes: int = MIN_PASSES) -> Overstatement | None:
         """The size whose calibrated cost most exceeds the median of this session's passes,
         when by more than OVERSTATED_BY; None when the calibration holds (or too few passes
         of any measured size ran to tell)."""
@@ -154,7 +206,7 @@ def measure_costs(
     context_tokens: int = CONTEXT_TOKENS,
     sizes: Sequence[int] | None = None,
     on_round: Callable[[int, int], None] | None = None,
-) -> CostProfile:
+) -> CostCurve:
     """Time target passes over 1..max_fed new tokens (or over `sizes`, each at most max_fed)
     and a one-token draft pass, each on top of `context_tokens` cached tokens, in `repeats`
     rounds after a round that warms the kernels for each shape. Both caches are empty afterwards.
@@ -196,7 +248,7 @@ def measure_costs(
     finally:
         target.rollback(0)
     draft_seconds = None if draft is None else measure_draft_seconds(draft, repeats, context_tokens)
-    return CostProfile(verify, draft_seconds)
+    return CostCurve(verify, draft_seconds)
 
 
 def measure_draft_seconds(draft: CausalLM, repeats: int = ROUNDS, context_tokens: int = CONTEXT_TOKENS) -> float:

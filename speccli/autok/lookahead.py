@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from speccli.autok.costs import CostCurve
 from speccli.autok.policy import AdaptiveDraftLength, DraftLengthByMatch, DraftLengthPolicy, StepPlan
 from speccli.events import StepEvent
 
@@ -63,15 +64,7 @@ GAIN_PER_DOUBLING = 0.20
 SMALL_WINDOW_GAIN = {3: 0.08, 4: 0.11}
 
 
-def pass_cost(pass_seconds: dict[int, float], fed: int) -> float | None:
-    """Seconds of a pass over `fed` tokens: the cheapest measured pass over as many or more
-    (a pass over more tokens is no cheaper; one measurement's noise is not trusted over
-    a larger pass's); None when nothing that large was measured."""
-    measured = [seconds for size, seconds in pass_seconds.items() if size >= fed]
-    return min(measured) if measured else None
-
-
-def choose_shape(pass_seconds: dict[int, float] | None) -> LookaheadShape | None:
+def choose_shape(costs: CostCurve | None) -> LookaheadShape | None:
     """The shape whose steps promise the most tokens per second beside prompt lookup's: at
     a step where prompt lookup guesses nothing (the commonest, on most text), (1 +
     window_gain) / its pass's cost, from measured costs: small shapes where a pass grows
@@ -84,11 +77,11 @@ def choose_shape(pass_seconds: dict[int, float] | None) -> LookaheadShape | None
     own measurement, a noisy one-token pass that timed dearer than a two-token one chose a
     window the gate then kept off there and let ride beside prompt lookup's guesses only,
     where the pool it fed went stale and lookahead fell behind `--draft ngram`."""
-    if not pass_seconds or 1 not in pass_seconds:
+    if costs is None or costs.measured(1) is None:
         return DEFAULT_SHAPE
-    best, best_rate = None, 1 / pass_cost(pass_seconds, 1)
+    best, best_rate = None, 1 / costs.cautious(1)
     for shape in SHAPES:
-        cost = pass_cost(pass_seconds, shape.fed)
+        cost = costs.cautious(shape.fed)
         if cost is None:
             continue  # larger than anything measured: unknown, not assumed cheap
         rate = (1 + window_gain(shape.fed)) / cost
@@ -140,15 +133,15 @@ class LookaheadGate(DraftLengthPolicy):
     mean over the steps that offered it that forgets (`forgetting` a step), starting from
     `prior_gain` worth `prior_steps` steps.
 
-    Both sides are priced by one curve, `pass_seconds` (the calibration's; its level does
-    not change which side pays). No pass cost known: every step carries the window and the pool.
+    Both sides are priced by one curve, `curve` (the calibration's, read cautiously; its
+    level does not change which side pays). No pass cost known: every step carries the window and the pool.
     """
 
     def __init__(
         self,
         shape: LookaheadShape,
         meanwhile: AdaptiveDraftLength | DraftLengthByMatch,
-        pass_seconds: dict[int, float] | None = None,
+        curve: CostCurve | None = None,
         prior_gain: float | None = None,
         prior_steps: float = 4.0,
         forgetting: float = 0.95,
@@ -169,7 +162,7 @@ class LookaheadGate(DraftLengthPolicy):
             )
         self.shape = shape
         self.meanwhile = meanwhile
-        self.pass_seconds = pass_seconds
+        self.curve = curve
         self.extra = (shape.window + shape.guesses) * (shape.ngram - 1)
         self.window_tokens = shape.window * (shape.ngram - 1)
         self.window_value = window_gain(shape.fed) if window_value is None else window_value
@@ -204,21 +197,21 @@ class LookaheadGate(DraftLengthPolicy):
     def cut(self, guess_length: int, extra: int | None = None) -> int:
         """How much of a guess fits beside `extra` more tokens (by default the window and the
         whole pool) in the largest pass measured (no pass goes past the calibration)."""
-        if not self.pass_seconds:
+        if self.curve is None or not self.curve.verify_seconds:
             return guess_length
         extra = self.extra if extra is None else extra
-        return max(0, min(guess_length, max(self.pass_seconds) - 1 - extra))
+        return max(0, min(guess_length, self.curve.largest - 1 - extra))
 
     def _rate(self, guess_length: int, extra: int, more: float = 0.0) -> float:
         """Tokens per second of a step carrying as much of a guess as fits beside `extra`
         tokens and bringing `more` tokens beyond it."""
         carried = self.cut(guess_length, extra)
-        return (self.meanwhile.expected(carried) + more) / pass_cost(self.pass_seconds, carried + 1 + extra)
+        return (self.meanwhile.expected(carried) + more) / self.curve.cautious(carried + 1 + extra)
 
     def window_pays(self, guess_length: int) -> bool:
         """Whether the window, worth `window_value` tokens a step, pays for its tokens beside
         the guess (True without measured costs)."""
-        if not self.pass_seconds:
+        if self.curve is None or not self.curve.verify_seconds:
             return True
         return self._rate(guess_length, self.window_tokens, self.window_value) > self._rate(guess_length, 0)
 
@@ -228,7 +221,7 @@ class LookaheadGate(DraftLengthPolicy):
         candidates = self.shape.guesses if candidates is None else candidates
         if candidates <= 0:
             return False
-        if not self.pass_seconds:
+        if self.curve is None or not self.curve.verify_seconds:
             return True
         base = self.window_tokens if window else 0
         offered = self._rate(guess_length, base + candidates * (self.shape.ngram - 1), self.gain)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
+from speccli.autok.costs import CostCurve
 from speccli.events import StepEvent
 
 
@@ -143,26 +144,17 @@ class StepCosts:
         new = min(max(new, old / self.max_jump), old * self.max_jump)
         return (1 - weight) * old + weight * new
 
+    @property
+    def curve(self) -> CostCurve:
+        """The costs as they stand now (a view: it follows later steps)."""
+        return CostCurve(self.verify, self.draft_per_token)
+
     def verify_seconds(self, fed: int) -> float | None:
-        """Measured, else an optimistic guess, so that an untried size that could pay is
-        tried once and measured. Feeding more tokens never costs less, so the guess is
-        the cost of the largest measured smaller size; below the smallest measured size,
-        a cost proportional to the tokens fed."""
-        if not self.verify:
-            return None
-        if fed in self.verify:
-            return self.verify[fed]
-        below = [n for n in self.verify if n < fed]
-        if below:
-            return self.verify[max(below)]
-        smallest = min(self.verify)
-        return self.verify[smallest] * fed / smallest
+        """A pass over `fed` tokens, untried sizes guessed optimistically (CostCurve.optimistic)."""
+        return self.curve.optimistic(fed)
 
     def step_seconds(self, k: int) -> float | None:
-        verify = self.verify_seconds(k + 1)
-        if verify is None:
-            return None
-        return verify + k * (self.draft_per_token or 0.0)
+        return self.curve.step_seconds(k)
 
 
 @dataclass(frozen=True)
@@ -522,3 +514,64 @@ def _per_position(prior: float | Sequence[float], length: int) -> list[float]:
     if not values or any(not 0.0 <= p <= 1.0 for p in values):
         raise ValueError(f"prior acceptance must be in [0, 1], got {prior!r}")
     return (values + [values[-1]] * length)[:length]
+
+
+class KAuto:
+    """k auto's policy across generations. Built from the measured costs (a calibration)
+    and the acceptance an earlier session left, and kept while those hold: what it learned
+    about this machine's costs and the draft's acceptance carries over from one prompt (or
+    chat turn) to the next. Built again when the costs or the prior change (a calibration
+    arrived)."""
+
+    def __init__(self) -> None:
+        self.kept: AdaptiveDraftLength | DraftLengthByMatch | None = None
+        self._built_from: tuple = ()
+
+    def policy(
+        self,
+        max_k: int,
+        costs: CostCurve | None,
+        prior: AcceptancePrior | None,
+        match_acceptance: Mapping[int, Sequence[float]] | None = None,
+    ) -> AdaptiveDraftLength | DraftLengthByMatch:
+        """The policy for drafts of at most `max_k` tokens (and at most what the costs
+        measured passes for). `match_acceptance`: for drafts keyed by the length of the
+        n-gram they continue (prompt lookup), the acceptance such drafts start from."""
+        built_from = (max_k, costs, prior)
+        same = len(self._built_from) == 3 and self._built_from[0] == max_k and all(
+            a is b for a, b in zip(self._built_from[1:], built_from[1:])
+        )
+        if self.kept is None or not same:
+            if costs is not None:
+                max_k = max(1, min(max_k, costs.largest - 1))
+            if match_acceptance is not None:
+                self.kept = DraftLengthByMatch(lambda match: _for_match(max_k, match, prior, match_acceptance))
+            else:
+                settings = {}
+                if prior is not None and prior.acceptance:
+                    settings = {"prior_acceptance": prior.acceptance, "prior_steps": prior.steps}
+                    if prior.opening is not None:
+                        settings["opening_prior"] = prior.opening.acceptance[0]
+                        settings["opening_prior_steps"] = prior.opening.steps
+                self.kept = AdaptiveDraftLength(max_k=max_k, **settings)
+            self._built_from = built_from
+            if costs is not None:
+                self.kept.costs.seed(costs.verify_seconds, costs.draft_seconds)
+        return self.kept
+
+    def learned(self) -> AcceptancePrior | None:
+        """What it has learned about the draft's acceptance so far (with the prior it
+        started from), for the next session; None before it drafted."""
+        return self.kept.learned() if self.kept is not None else None
+
+
+def _for_match(
+    max_k: int, match: int, prior: AcceptancePrior | None, match_acceptance: Mapping[int, Sequence[float]]
+) -> AdaptiveDraftLength:
+    """k auto for prompt lookup's drafts after a match of this length: from what an
+    earlier session learned of them, else from what such drafts measured."""
+    learned = prior.for_match(match) if prior is not None else None
+    if learned is not None:
+        return AdaptiveDraftLength(max_k=max_k, prior_acceptance=learned.acceptance, prior_steps=learned.steps)
+    start = match_acceptance.get(match, match_acceptance[max(match_acceptance)])
+    return AdaptiveDraftLength(max_k=max_k, prior_acceptance=start)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 
-from speccli.autok.costs import CONTEXT_TOKENS, ROUNDS, CostProfile, measure_costs, measure_draft_seconds
+from speccli.autok.costs import CONTEXT_TOKENS, ROUNDS, CostCurve, measure_costs, measure_draft_seconds
 from speccli.autok.policy import AcceptancePrior
 from speccli.backends.llamacpp import llama_cpp_version
 from speccli.loop import SpeculativeDecoder
@@ -157,11 +157,11 @@ def _write_entry(path: Path, identity: dict[str, Any], entry: dict[str, Any], st
     offline.write_json(path, {"identity": identity, stamp: time.strftime("%Y-%m-%dT%H:%M:%S%z"), **entry})
 
 
-def _read(path: Path, identity: dict[str, Any]) -> CostProfile | None:
-    return _read_entry(path, identity, lambda data: CostProfile.from_dict(data["costs"]))
+def _read(path: Path, identity: dict[str, Any]) -> CostCurve | None:
+    return _read_entry(path, identity, lambda data: CostCurve.from_dict(data["costs"]))
 
 
-def _write(path: Path, identity: dict[str, Any], costs: CostProfile) -> None:
+def _write(path: Path, identity: dict[str, Any], costs: CostCurve) -> None:
     _write_entry(path, identity, {"costs": costs.as_dict()})
 
 
@@ -264,7 +264,7 @@ def calibrate(
     progress: Callable[[str], None] | None = None,
     refresh: bool = False,
     cache_dir: Path | None = None,
-) -> CostProfile | None:
+) -> CostCurve | None:
     """Give the pipeline's decoder measured costs for `k=auto`: from the cache, else by
     measuring now (a minute or two on a CPU) and caching; and the acceptance prior saved
     beside them, if any. None when there is no drafter."""
@@ -288,7 +288,7 @@ def calibrate(
             f" in {ROUNDS} rounds (once per target and device; a minute or two on a CPU)")
         measured = measure_costs(decoder.target, draft_model if time_draft else None, max_fed,
                                  on_round=RoundProgress(say))
-        costs = CostProfile(measured.verify_seconds, None)
+        costs = CostCurve(measured.verify_seconds, None)
         _write(path, identity, costs)
         draft_seconds = measured.draft_seconds if time_draft else draft_seconds
     elif time_draft:
@@ -296,7 +296,7 @@ def calibrate(
         draft_seconds = measure_draft_seconds(draft_model)
     if time_draft:
         _write_draft_seconds(draft_path, drafted, draft_seconds)
-    costs = CostProfile(costs.verify_seconds, draft_seconds)
+    costs = CostCurve(costs.verify_seconds, draft_seconds)
     if started is not None:
         say(f"calibrated in {time.perf_counter() - started:.1f} s: {describe(costs)}")
     beside = prior_identity(pipeline, max_fed)
@@ -305,7 +305,7 @@ def calibrate(
     return costs
 
 
-def describe(costs: CostProfile) -> str:
+def describe(costs: CostCurve) -> str:
     sizes = sorted(costs.verify_seconds)
     first, last = sizes[0], sizes[-1]
     text = (f"a target pass costs {costs.verify_seconds[first] * 1000:.0f} ms for {first} token(s),"

@@ -8,10 +8,11 @@ the verification rule treats as a one-hot q).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
+from speccli.autok.costs import CostCurve
 from speccli.autok.policy import DraftLengthPolicy, FixedDraftLength, StepPlan
 from speccli.backends.base import CausalLM
 from speccli.config import SamplingConfig
@@ -71,13 +72,18 @@ class Drafter:
     # Can propose a token tree (`propose_tree`), for `--tree`.
     drafts_trees: bool = False
     # Drafts what followed an earlier occurrence of the context's last n-gram: k auto keeps
-    # acceptance apart by the length matched (`match_length`).
-    keyed_by_match: bool = False
+    # acceptance apart by the length matched (`match_length`), starting for each length from
+    # these acceptances by draft position. None: not such a drafter.
+    match_acceptance: Mapping[int, tuple[float, ...]] | None = None
     # Every drafting step is a tree step of its own (lookahead, with a shape): the policy
     # plans each (`plan_step`), and a branch may ride in the pass (`branch`, `advance`).
     always_trees: bool = False
     # Prompt lookup's guess inside the last tree (lookahead), to count what it alone kept.
     guess: Sequence[int] = ()
+
+    @property
+    def keyed_by_match(self) -> bool:
+        return self.match_acceptance is not None
 
     def start(self, context: Sequence[int]) -> None:
         """A new generation begins from `context` (state from an earlier one may be reused)."""
@@ -104,7 +110,7 @@ class Drafter:
         raise NotImplementedError
 
     def policy(
-        self, k: int | str, measured: dict[int, float] | None, adaptive: Callable[[], DraftLengthPolicy]
+        self, k: int | str, measured: CostCurve | None, adaptive: Callable[[], DraftLengthPolicy]
     ) -> DraftLengthPolicy:
         """The draft-length policy for a generation with draft length `k` (a number, or
         "auto": `adaptive` builds k auto's), given the measured pass costs (or None)."""

@@ -28,12 +28,13 @@ from typing import Callable, Sequence
 import torch
 
 from speccli.autok.lookahead import DEFAULT_SHAPE, LookaheadGate, LookaheadShape, choose_shape
+from speccli.autok.costs import CostCurve
 from speccli.autok.policy import DraftLengthPolicy, FixedDraftLength, StepPlan
 from speccli.backends.base import common_prefix_length
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
 from speccli.drafters.base import Branch, Drafter
-from speccli.drafters.ngram import PromptLookupDrafter
+from speccli.drafters.ngram import LOOKUP_ACCEPTANCE, PromptLookupDrafter
 from speccli.drafters.trees import trie
 from speccli.tree import TokenTree, TreeShape
 
@@ -46,7 +47,7 @@ class LookaheadDrafter(Drafter):
 
     name = "lookahead"
     drafts_trees = True
-    keyed_by_match = True  # the steps k auto gives to prompt lookup
+    match_acceptance = LOOKUP_ACCEPTANCE  # the steps k auto gives to prompt lookup
 
     def __init__(self, shape: LookaheadShape | None = DEFAULT_SHAPE) -> None:
         self.shape = shape
@@ -70,7 +71,7 @@ class LookaheadDrafter(Drafter):
         return self.shape is not None
 
     def policy(
-        self, k: int | str, measured: dict[int, float] | None, adaptive: Callable[[], DraftLengthPolicy]
+        self, k: int | str, measured: CostCurve | None, adaptive: Callable[[], DraftLengthPolicy]
     ) -> DraftLengthPolicy:
         """The shape comes from the measured costs (k auto) or from k (the n-gram's
         continuation length); no shape: plain decoding with k 0, prompt lookup's steps with

@@ -39,7 +39,7 @@ class PromptLookupDrafter(Drafter):
 
     name = "ngram"
     drafts_trees = True
-    keyed_by_match = True
+    match_acceptance = LOOKUP_ACCEPTANCE
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
