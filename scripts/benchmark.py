@@ -58,7 +58,7 @@ from typing import Sequence
 import torch
 
 from speccli.api import Speculator
-from speccli.autok.costs import CostProfile, measure_costs
+from speccli.autok.costs import CostCurve, measure_costs
 from speccli.autok.store import describe
 from speccli.bench.divergence import first_difference
 from speccli.bench.prompts import encode_bench_prompt, load_prompts
@@ -124,20 +124,20 @@ class Bench:
             "specgen-draft": draft_generator,
             # Prompt lookup costs no draft pass: the same verification costs, no draft cost.
             "specgen-ngram": Speculator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
-                                            CostProfile(costs.verify_seconds, None) if costs else None),
+                                            CostCurve(costs.verify_seconds, None) if costs else None),
             "specgen-plain": draft_generator,  # streamed with plain=True: the target alone
             "specgen-plain-stock": draft_generator,
             # Their own generators, so that what k auto learns of trees stays apart from chains.
             "specgen-tree": Speculator.over(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs),
             "specgen-ngram-tree": Speculator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
-                                                 CostProfile(costs.verify_seconds, None) if costs else None),
+                                                 CostCurve(costs.verify_seconds, None) if costs else None),
             "specgen-lookahead": Speculator.over(target_lm, target.tokenizer, self.eos, LookaheadDrafter(),
-                                                CostProfile(costs.verify_seconds, None) if costs else None),
+                                                CostCurve(costs.verify_seconds, None) if costs else None),
         }
         # Heads trained with `specgen train` for this target (from the cache), when a method asks for them.
         for method, kind in HEAD_METHODS.items():
             if method in (methods or ()):
-                free = CostProfile(costs.verify_seconds, None) if costs else None
+                free = CostCurve(costs.verify_seconds, None) if costs else None
                 drafter = self.head_drafters.get(kind) or head_drafter(target, kind, progress=log)
                 self.head_drafters[kind] = drafter
                 self.generators[method] = Speculator.over(target_lm, target.tokenizer, self.eos, drafter, free)
@@ -390,7 +390,7 @@ MODELLED = ("specgen-plain", "specgen-ngram", "specgen-ngram-tree", "specgen-loo
 
 
 def modelled_ratios(rows: list[dict], methods: list[str], pairs: list[tuple[str, str]],
-                    costs: CostProfile | None) -> dict[str, tuple[float, float, float]]:
+                    costs: CostCurve | None) -> dict[str, tuple[float, float, float]]:
     """(of medians, median per prompt, lowest prompt) of modelled tokens/s, for the pairs of MODELLED methods."""
     chosen = [m for m in methods if m in MODELLED]
     if costs is None or len(chosen) < 2:

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import DEFAULT_PROMPTS, fmt, log, round_robin_by_category, strip_eos  # noqa: E402
 
 from speccli.api import Speculator  # noqa: E402
-from speccli.autok.costs import CostProfile, measure_costs  # noqa: E402
+from speccli.autok.costs import CostCurve, measure_costs  # noqa: E402
 from speccli.autok.store import describe  # noqa: E402
 from speccli.backends.llamacpp import LlamaCppLM, llama_cpp_version  # noqa: E402
 from speccli.bench.divergence import first_difference  # noqa: E402
@@ -77,7 +77,7 @@ class Bench:
         self.drafter = model_drafter(self.lm, target.tokenizer, draft)
         self.costs = measure_costs(self.lm, self.drafter.model, SpecConfig().max_k + 1)
         log(f"calibration: {describe(self.costs)}")
-        free = CostProfile(self.costs.verify_seconds, None)
+        free = CostCurve(self.costs.verify_seconds, None)
         tokenizer = target.tokenizer
         self.generators = {
             "specgen-plain": Speculator.over(self.lm, tokenizer, self.eos, self.drafter, self.costs),

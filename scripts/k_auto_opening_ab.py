@@ -15,7 +15,7 @@ import torch
 
 from speccli.api import Speculator
 from speccli.autok import policy as pol
-from speccli.autok.costs import CostProfile, measure_costs
+from speccli.autok.costs import CostCurve, measure_costs
 from speccli.bench.prompts import encode_bench_prompt, load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.models.loading import load_model
@@ -35,7 +35,7 @@ costs = measure_costs(lm, drafter.model, 17)
 cal = costs.verify_seconds
 print("calibration", {k: round(v / cal[1], 2) for k, v in sorted(cal.items())}, f"one token {1000 * cal[1]:.0f} ms,",
       f"draft token {1000 * costs.draft_seconds:.0f} ms", flush=True)
-profile = CostProfile(cal, None)
+profile = CostCurve(cal, None)
 new_begin = pol.AdaptiveDraftLength.begin
 
 

@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 
 import speccli.loop as decoder_module
-from speccli.autok.costs import CostProfile
+from speccli.autok.costs import CostCurve
 from speccli.bench.prompts import encode_bench_prompt, load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.drafters.ngram import PromptLookupDrafter
@@ -159,7 +159,7 @@ def replay(path: Path, policies: list[str], tokenizers: dict) -> dict:
     clock = VirtualClock()
     decoder_module.time = clock  # the decoder times its steps by the scripted passes
     target = ScriptedTarget(len(tokenizer), costs, clock, eos)
-    profile = CostProfile(costs, None)
+    profile = CostCurve(costs, None)
     plain = SpeculativeDecoder(target, tokenizer, [eos], None, profile)
     decoders = {
         "by-match": SpeculativeDecoder(target, tokenizer, [eos], PromptLookupDrafter(), profile),
