@@ -85,12 +85,13 @@ class ModelOptions:
     cpu_linear: str = "auto"
     cuda_graphs: str = "auto"
     backend: str = "auto"
+    no_cache: bool = False
 
     def configs(self) -> tuple[LoadConfig, LoadConfig]:
         try:
             target = LoadConfig(
                 self.device, self.dtype, self.quant, self.trust_remote_code, cpu_linear=self.cpu_linear,
-                cuda_graphs=self.cuda_graphs, backend=self.backend,
+                cuda_graphs=self.cuda_graphs, backend=self.backend, keep_converted=not self.no_cache,
             )
             draft = LoadConfig(
                 self.draft_device or self.device,
@@ -101,6 +102,7 @@ class ModelOptions:
                 cpu_linear=self.cpu_linear,
                 cuda_graphs=self.cuda_graphs,
                 backend=self.backend,
+                keep_converted=not self.no_cache,
             )
         except ValueError as error:
             raise UsageError(str(error)) from None
@@ -161,6 +163,7 @@ DraftQuantOpt = Annotated[Optional[str], typer.Option("--draft-quant", help="Qua
 CpuLinearOpt = Annotated[str, typer.Option("--cpu-linear", help="auto: float32 linear layers on the CPU run through oneDNN (same float32 math, passes 1.5-2.5x faster than PyTorch's default there), and in bfloat16 a one-token pass multiplies its row as two rows where that is measured faster (PyTorch's one-row bf16 kernel is the slower on some CPUs); stock: PyTorch's default kernels.")]
 CudaGraphsOpt = Annotated[str, typer.Option("--cuda-graphs", help="auto: on CUDA, bfloat16/float16 and 4/8-bit models decode over a static KV cache replayed as CUDA graphs (2-5x faster passes); off: transformers' DynamicCache, as on the CPU.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"specgen\\[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
+NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Neither read nor keep converted weights in specgen's cache (also SPECGEN_NO_CACHE=1): a GGUF is dequantized again on every start. See `specgen models --converted`.")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
 TreeOpt = Annotated[bool, typer.Option("--tree", help="Draft a tree of candidates k deep instead of one chain: the draft model branches where it is unsure (ngram: several earlier continuations) and one target pass checks every branch; its size follows the measured pass costs. Pays where a pass over many tokens costs little more than one (bfloat16 on CPUs with bf16 units, GPUs).")]
@@ -179,6 +182,7 @@ LOAD_OPTIONS: tuple[tuple[str, object, object], ...] = (
     ("cpu_linear", CpuLinearOpt, "auto"),
     ("cuda_graphs", CudaGraphsOpt, "auto"),
     ("backend", BackendOpt, "auto"),
+    ("no_cache", NoCacheOpt, False),
 )
 
 
@@ -395,22 +399,44 @@ def bench(
 
 @app.command()
 def models(
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    show_converted: bool = typer.Option(False, "--converted", help="List only the converted weights kept in specgen's cache (GGUF files dequantized once, read by later starts)."),
+    remove_converted: Optional[str] = typer.Option(None, "--remove-converted", metavar="NAME|all", help="Remove the converted weights of GGUF files whose name contains NAME, or all of them; the next start converts again."),
 ) -> None:
-    """List the model aliases, what each resolves to, and whether each is available offline.
+    """List the model aliases, what each resolves to, and whether each is available offline,
+    then the converted weights kept in specgen's cache.
 
     Available means: an installed offline package, or the local Hugging Face cache.
     """
 
     def body() -> int:
-        from speccli.models.registry import list_models
+        from speccli.models import converted
+        from speccli.models.offline import default_cache_dir
+        from speccli.models.registry import format_size, list_models
         from speccli.ui import models_table
 
+        cache = default_cache_dir()
+        progress = stderr_progress(False)
+        if remove_converted is not None:
+            removed = converted.remove(cache, None if remove_converted == "all" else remove_converted)
+            for entry in removed:
+                progress(f"removed {entry.source} ({entry.dtype}, {format_size(entry.size_bytes)}): {entry.folder}")
+            if not removed:
+                progress(f"no converted weights match {remove_converted!r} in {cache / converted.FOLDER}")
+            return 0
+        kept = converted.entries(cache)
+        if show_converted:
+            if as_json:
+                models_table.print_converted_json(kept)
+            else:
+                models_table.print_converted_table(kept, cache / converted.FOLDER)
+            return 0
         listings = list_models()
         if as_json:
             models_table.print_json(listings)
         else:
             models_table.print_table(listings)
+            models_table.print_converted_table(kept, cache / converted.FOLDER)
         return 0
 
     _run_guarded(body)

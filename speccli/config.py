@@ -109,6 +109,9 @@ class LoadConfig:
     model on the CPU, keeps transformers' DynamicCache (speccli.backends.hf.HFCausalLM).
     backend: auto runs a GGUF file on the CPU through llama.cpp when llama-cpp-python is
     installed (speccli.backends.llamacpp), everything else through transformers.
+    keep_converted: a GGUF file's first load through transformers keeps the dequantized
+    weights in specgen's cache and later loads read them (speccli.models.converted); off
+    (`--no-cache`), neither read nor written.
     """
 
     device: str = "auto"
@@ -119,6 +122,7 @@ class LoadConfig:
     cpu_linear: str = "auto"
     cuda_graphs: str = "auto"
     backend: str = "auto"
+    keep_converted: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

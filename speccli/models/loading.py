@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from speccli.config import LoadConfig
-from speccli.models import offline
+from speccli.models import converted, offline
 from speccli.models.cpu import cpu_name, cpuinfo_field
 from speccli.models.errors import ModelLoadError
 from speccli.models.int8 import int8_problem, quantize_int8
@@ -707,17 +707,27 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
         return _load_llama_cpp(pending, say, started)
     if quant != "none":
         _quiet_bitsandbytes()
+    cache = pending.cache_dir or offline.default_cache_dir()
+    keep = resolved.is_gguf and config.keep_converted and not converted.disabled_by_environment()
+    conversion = converted.identity(resolved.gguf_path, dtype) if keep else None
+    kept = converted.lookup(cache, conversion) if conversion is not None else None
     with _explaining(name, resolved, quant, device):
-        if resolved.is_gguf:
-            say(f"loading {name}: dequantizing {resolved.gguf_file} to {dtype_name(dtype)} on {device} (takes a while)")
+        if kept is not None:
+            say(f"loading {name}: {dtype_name(dtype)} weights converted earlier from {resolved.gguf_file} ({kept})")
+            model = AutoModelForCausalLM.from_pretrained(str(kept), **_converted_kwargs(dtype, device))
         else:
-            what = f"quantizing to {quant}" if quant in ("4bit", "8bit") else dtype_name(dtype)
-            say(f"loading {name} ({resolved.description}): {what} on {device}")
-        model = _from_pretrained(
-            AutoModelForCausalLM.from_pretrained,
-            resolved,
-            _model_kwargs(resolved, dtype, quant, device, config.trust_remote_code),
-        )
+            if resolved.is_gguf:
+                say(f"loading {name}: dequantizing {resolved.gguf_file} to {dtype_name(dtype)} on {device} (takes a while)")
+            else:
+                what = f"quantizing to {quant}" if quant in ("4bit", "8bit") else dtype_name(dtype)
+                say(f"loading {name} ({resolved.description}): {what} on {device}")
+            model = _from_pretrained(
+                AutoModelForCausalLM.from_pretrained,
+                resolved,
+                _model_kwargs(resolved, dtype, quant, device, config.trust_remote_code),
+            )
+            if conversion is not None:
+                _keep_conversion(model, cache, conversion, name, say)
         if quant in ("none", "int8") and device.type != "cuda":
             model = model.to(device)
         if quant == "int8":
@@ -726,7 +736,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
     model.eval()
     linear = "stock"
     stock_rows: dict[str, int] = {}
-    kernels = (pending.cache_dir or offline.default_cache_dir()) / "kernels"
+    kernels = cache / "kernels"
     if device.type == "cpu" and config.cpu_linear == "auto":
         if dtype == torch.float32 and onednn_problem() is None and set_onednn_linear(model):
             linear = "onednn"
@@ -747,6 +757,26 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
         linear=linear,
         stock_rows=stock_rows,
     )
+
+
+def _converted_kwargs(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if device.type == "cuda":
+        kwargs["device_map"] = {"": device}
+    return kwargs
+
+
+def _keep_conversion(model: Any, cache: Path, conversion: dict[str, Any], name: str, say: Progress) -> None:
+    """Write what the GGUF's dequantization produced for later starts; a failure (a full
+    disk, a read-only cache) costs only the next start's time."""
+    started = time.perf_counter()
+    say(f"{name}: keeping the converted weights in {cache / converted.FOLDER} for later starts")
+    try:
+        folder = converted.store(cache, conversion, lambda target: model.save_pretrained(target))
+    except OSError as error:
+        say(f"{name}: could not keep the converted weights ({error}); the next start converts again")
+        return
+    say(f"{name}: kept in {time.perf_counter() - started:.1f} s ({folder.name})")
 
 
 def _load_llama_cpp(pending: PendingModel, say: Progress, started: float) -> LoadedModel:

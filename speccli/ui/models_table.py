@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import TextIO
 
+from speccli.models.converted import ConvertedEntry
 from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, ModelListing, format_size
 
 FOOTER = (
@@ -62,3 +64,26 @@ def print_heads_table(listings, stream: TextIO | None = None) -> None:
         # Targets and paths are the user's: "[...]" in them is text, not Rich markup.
         table.add_row(*(Text(cell) for cell in cells))
     console.print(table)
+
+
+def print_converted_json(entries: list[ConvertedEntry], stream: TextIO | None = None) -> None:
+    print(json.dumps([entry.as_dict() for entry in entries], indent=2), file=stream or sys.stdout)
+
+
+def print_converted_table(entries: list[ConvertedEntry], folder: Path, stream: TextIO | None = None) -> None:
+    from speccli.ui.consoles import PipeAwareConsole
+    from rich.table import Table
+
+    stream = stream or sys.stdout
+    console = PipeAwareConsole(file=stream, width=None if stream.isatty() else 200)
+    if not entries:
+        console.print(f"No converted weights kept in {folder}: a GGUF's first load through transformers keeps them.")
+        return
+    total = sum(entry.size_bytes for entry in entries)
+    table = Table(title=f"converted weights in {folder} ({format_size(total)})", title_justify="left")
+    for column in ("source", "dtype", "size", "converted"):
+        table.add_column(column, no_wrap=True)
+    for entry in entries:
+        table.add_row(entry.source, entry.dtype, format_size(entry.size_bytes), entry.created)
+    console.print(table)
+    console.print("Remove them with `specgen models --remove-converted NAME` (or `all`); `--no-cache` skips them.")

@@ -1,0 +1,188 @@
+"""Converted weights, kept: the first load of a GGUF file through transformers dequantizes
+every block (the slow part of a start); what it produced is written as safetensors in
+specgen's cache, and later starts load that instead.
+
+An entry is keyed by everything its tensors depend on: the source file's identity (name,
+size, modification time and a hash of its first MiB, which holds the header), the dtype,
+and the versions of transformers, torch and this format. It is written under a temporary
+name and renamed into place, so a conversion killed mid-write (or a full disk) leaves no
+entry, only a temporary folder that the next write removes; an entry whose files no longer
+have the sizes it recorded (truncated, partly deleted) is removed and converted again,
+never loaded.
+
+`SPECGEN_NO_CACHE=1` (or `--no-cache`) neither reads nor writes entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+FORMAT = 1
+FOLDER = "converted"
+ENTRY_FILE = "specgen-entry.json"
+NO_CACHE_ENV = "SPECGEN_NO_CACHE"
+HEADER_BYTES = 1 << 20
+PARTIAL = ".partial-"
+
+
+def disabled_by_environment() -> bool:
+    return os.environ.get(NO_CACHE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def source_identity(path: Path) -> dict[str, Any]:
+    """What identifies a source file's contents without reading all of it."""
+    stat = path.stat()
+    with path.open("rb") as handle:
+        header = hashlib.sha256(handle.read(HEADER_BYTES)).hexdigest()
+    return {"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "header_sha256": header}
+
+
+def identity(source: Path, dtype: torch.dtype) -> dict[str, Any]:
+    """Everything a conversion of `source` to `dtype` depends on."""
+    import transformers
+
+    return {
+        "format": FORMAT,
+        "source": source_identity(source),
+        "dtype": str(dtype).removeprefix("torch."),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
+
+
+def _key(ident: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    stem = Path(ident["source"]["file"]).stem
+    return f"{stem}-{ident['dtype']}-{digest}"
+
+
+@dataclass(frozen=True)
+class ConvertedEntry:
+    """One kept conversion: where it is, what it came from, its size on disk."""
+
+    folder: Path
+    source: str
+    dtype: str
+    size_bytes: int
+    created: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"folder": str(self.folder), "source": self.source, "dtype": self.dtype,
+                "size_bytes": self.size_bytes, "created": self.created}
+
+
+def _read_entry(folder: Path) -> dict[str, Any] | None:
+    try:
+        entry = json.loads((folder / ENTRY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _intact(folder: Path, entry: dict[str, Any]) -> bool:
+    files = entry.get("files")
+    if not isinstance(files, dict) or not files:
+        return False
+    for name, size in files.items():
+        try:
+            if (folder / name).stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def lookup(cache_dir: Path, ident: dict[str, Any]) -> Path | None:
+    """The folder of an intact entry for this identity, or None. A damaged entry is removed."""
+    folder = cache_dir / FOLDER / _key(ident)
+    if not folder.is_dir():
+        return None
+    entry = _read_entry(folder)
+    if entry is not None and entry.get("identity") == ident and _intact(folder, entry):
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
+def store(cache_dir: Path, ident: dict[str, Any], save: Callable[[Path], None]) -> Path:
+    """Write an entry: `save(folder)` writes the model's files (save_pretrained), then the
+    entry file records their sizes, then the folder is renamed into place. Raises OSError
+    (disk full, read-only cache); nothing partial is left behind."""
+    root = cache_dir / FOLDER
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(root)
+    final = root / _key(ident)
+    partial = root / f"{final.name}{PARTIAL}{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        save(partial)
+        files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
+        entry = {"identity": ident, "files": files, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (partial / ENTRY_FILE).write_text(json.dumps(entry, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
+
+
+def _remove_stale_partials(root: Path) -> None:
+    """Temporary folders of writes whose process is gone (killed mid-write)."""
+    for folder in root.glob(f"*{PARTIAL}*"):
+        pid = folder.name.rsplit(PARTIAL, 1)[-1]
+        if not pid.isdigit() or not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def entries(cache_dir: Path) -> list[ConvertedEntry]:
+    """The kept conversions, intact ones only, largest first."""
+    root = cache_dir / FOLDER
+    found = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if PARTIAL in folder.name or not folder.is_dir():
+            continue
+        entry = _read_entry(folder)
+        if entry is None or not _intact(folder, entry):
+            continue
+        ident = entry.get("identity", {})
+        found.append(ConvertedEntry(folder, ident.get("source", {}).get("file", "?"), ident.get("dtype", "?"),
+                                    _size(folder), entry.get("created", "?")))
+    return sorted(found, key=lambda e: -e.size_bytes)
+
+
+def remove(cache_dir: Path, matching: str | None = None) -> list[ConvertedEntry]:
+    """Remove kept conversions (those whose source file name contains `matching`, or all),
+    and any leftovers of interrupted writes. Returns what was removed."""
+    removed = []
+    for entry in entries(cache_dir):
+        if matching is None or matching in entry.source:
+            shutil.rmtree(entry.folder, ignore_errors=True)
+            removed.append(entry)
+    root = cache_dir / FOLDER
+    if root.is_dir():
+        _remove_stale_partials(root)
+    return removed

@@ -1,0 +1,167 @@
+"""Converted weights kept in the cache: a GGUF is dequantized once, later loads read the safetensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from speccli.cli import app
+from speccli.config import LoadConfig
+from speccli.models import converted
+from speccli.models.loading import load_model
+from test_models_registry import write_tiny_gguf
+
+F32 = LoadConfig(device="cpu", dtype="float32", cpu_linear="stock")
+
+
+@pytest.fixture
+def gguf_file(tmp_path):
+    path = tmp_path / "src" / "tiny.F32.gguf"
+    path.parent.mkdir()
+    return path, write_tiny_gguf(path)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.delenv(converted.NO_CACHE_ENV, raising=False)
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def model_loads(monkeypatch):
+    """The locations AutoModelForCausalLM.from_pretrained is called with, and whether each
+    named a GGUF file (a dequantization)."""
+    calls = []
+    real = AutoModelForCausalLM.from_pretrained
+
+    def spy(location, *args, **kwargs):
+        calls.append((str(location), "gguf_file" in kwargs))
+        return real(location, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    return calls
+
+
+def weights_equal(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_the_second_load_reads_the_conversion_and_does_not_dequantize(gguf_file, cache, model_loads):
+    path, source = gguf_file
+    messages = []
+    first = load_model(str(path), F32, messages.append, cache)
+    entries = converted.entries(cache)
+    assert [(e.source, e.dtype) for e in entries] == [("tiny.F32.gguf", "float32")]
+    assert model_loads == [(str(path.parent), True)]
+    assert any("dequantizing tiny.F32.gguf" in m for m in messages)
+
+    messages.clear()
+    again = load_model(str(path), F32, messages.append, cache)
+    assert model_loads[1] == (str(entries[0].folder), False)  # no GGUF file named: nothing dequantized
+    assert not any("dequantizing" in m for m in messages)
+    assert any("converted earlier" in m for m in messages)
+    assert weights_equal(again.model, first.model) and weights_equal(again.model, source)
+    assert again.quant == first.quant == "gguf→float32"  # described (and calibrated) as the GGUF it came from
+    assert again.eos_token_ids == first.eos_token_ids
+    ids = torch.tensor([[5, 6, 7, 8, 3]])
+    with torch.no_grad():
+        assert torch.equal(again.model(ids).logits, first.model(ids).logits)
+
+
+def test_another_dtype_is_another_entry(gguf_file, cache, model_loads):
+    path, _ = gguf_file
+    load_model(str(path), F32, cache_dir=cache)
+    load_model(str(path), LoadConfig(device="cpu", dtype="bfloat16", cpu_linear="stock"), cache_dir=cache)
+    assert sorted(e.dtype for e in converted.entries(cache)) == ["bfloat16", "float32"]
+    assert [dequantized for _, dequantized in model_loads] == [True, True]
+
+
+def test_a_truncated_entry_is_converted_again_not_loaded(gguf_file, cache, model_loads):
+    path, source = gguf_file
+    load_model(str(path), F32, cache_dir=cache)
+    (entry,) = converted.entries(cache)
+    weights = entry.folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert converted.entries(cache) == []  # not listed as a usable entry
+    again = load_model(str(path), F32, cache_dir=cache)
+    assert [dequantized for _, dequantized in model_loads] == [True, True]
+    assert weights_equal(again.model, source)
+    assert len(converted.entries(cache)) == 1  # rebuilt, intact
+    load_model(str(path), F32, cache_dir=cache)
+    assert model_loads[-1][1] is False
+
+
+def test_a_changed_source_file_invalidates_its_entry(gguf_file, cache, model_loads):
+    path, _ = gguf_file
+    load_model(str(path), F32, cache_dir=cache)
+    changed = write_tiny_gguf(path, seed=9)
+    again = load_model(str(path), F32, cache_dir=cache)
+    assert model_loads[-1] == (str(path.parent), True)
+    assert weights_equal(again.model, changed)
+
+
+def test_no_cache_neither_reads_nor_writes(gguf_file, cache, model_loads, monkeypatch):
+    path, _ = gguf_file
+    load_model(str(path), LoadConfig(device="cpu", dtype="float32", keep_converted=False), cache_dir=cache)
+    assert not (cache / converted.FOLDER).exists()
+    monkeypatch.setenv(converted.NO_CACHE_ENV, "1")
+    load_model(str(path), F32, cache_dir=cache)
+    assert not (cache / converted.FOLDER).exists()
+    monkeypatch.delenv(converted.NO_CACHE_ENV)
+    load_model(str(path), F32, cache_dir=cache)  # writes
+    monkeypatch.setenv(converted.NO_CACHE_ENV, "1")
+    load_model(str(path), F32, cache_dir=cache)  # and does not read
+    assert [dequantized for _, dequantized in model_loads] == [True, True, True, True]
+
+
+def test_a_write_that_fails_leaves_nothing_and_the_load_goes_on(gguf_file, cache, monkeypatch):
+    path, source = gguf_file
+
+    def disk_full(self, folder, *args, **kwargs):
+        folder = type(cache)(folder)
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("transformers.PreTrainedModel.save_pretrained", disk_full)
+    messages = []
+    loaded = load_model(str(path), F32, messages.append, cache)
+    assert weights_equal(loaded.model, source)
+    assert list((cache / converted.FOLDER).iterdir()) == []
+    assert any("could not keep" in m and "No space left" in m for m in messages)
+
+
+def test_a_killed_writes_leftovers_are_removed(gguf_file, cache):
+    path, _ = gguf_file
+    leftover = cache / converted.FOLDER / f"tiny.F32-float32-0123{converted.PARTIAL}999999999"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"half")
+    load_model(str(path), F32, cache_dir=cache)
+    assert not leftover.exists()
+    assert len(converted.entries(cache)) == 1
+
+
+def test_models_lists_and_removes_conversions(gguf_file, cache, monkeypatch):
+    path, _ = gguf_file
+    monkeypatch.setenv("SPECGEN_CACHE", str(cache))
+    load_model(str(path), F32, cache_dir=cache)
+    runner = CliRunner()
+    listed = runner.invoke(app, ["models", "--converted", "--json"])
+    assert listed.exit_code == 0, listed.output
+    (item,) = json.loads(listed.stdout)
+    assert item["source"] == "tiny.F32.gguf" and item["dtype"] == "float32" and item["size_bytes"] > 0
+    table = runner.invoke(app, ["models", "--converted"])
+    assert "tiny.F32.gguf" in table.stdout and "float32" in table.stdout
+    kept = runner.invoke(app, ["models", "--remove-converted", "other-model"])
+    assert kept.exit_code == 0 and len(converted.entries(cache)) == 1
+    assert "no converted weights match" in kept.stderr
+    removed = runner.invoke(app, ["models", "--remove-converted", "all"])
+    assert removed.exit_code == 0 and converted.entries(cache) == []
+    assert "removed tiny.F32.gguf (float32" in removed.stderr
+    shutil.rmtree(cache)
