@@ -32,7 +32,7 @@ from speccli.events import (
     step_provenances,
 )
 from speccli.text import Detokenizer, OutputText
-from speccli.tree import TreeShape, kept_offsets, verify_tree
+from speccli.tree import TreePass, TreeShape, kept_offsets, verify_tree
 from speccli.verify import make_generator, verify_chain
 
 
@@ -256,24 +256,15 @@ class SpeculativeDecoder:
         tree = self.drafter.propose_tree(context, shape, sampling, generator, noise=draft_noise)
         verify_started = self._clock()
         cached = len(self.target.cached_tokens)
-        depths = tree.fed_depths()
-        fed = [context[-1], *tree.tokens]
-        positions = [cached + d for d in depths]
-        visible = tree.visibility()
-        branch = self.drafter.branch(context)
-        if branch is not None and self._branch_fits(cached, len(fed) + len(branch)):
-            # Lookahead decoding's Jacobi window rides along: it sees the pending token and
-            # itself, the tree does not see it, and none of it stays in the cache.
-            fed += branch.tokens
-            positions += [cached + offset for offset in branch.offsets]
-            visible = branch.beside(visible)
-        else:
+        branch = self.drafter.branch(context)  # lookahead decoding's Jacobi window
+        if branch is not None and not self._branch_fits(cached, len(tree) + 1 + len(branch)):
             branch = None
-        logits = self.target.forward_tree(fed, positions, visible, cached)
+        fed = TreePass.of(context[-1], tree, cached, branch)
+        logits = self.target.forward_tree(fed.tokens, fed.positions, fed.visible, cached)
         if branch is not None:
-            self.drafter.advance(torch.argmax(logits[len(tree) + 1 :], dim=-1).tolist())
-            logits = logits[: len(tree) + 1]
-        rows = None if noise is None else noise.rows(position, tree.depth + 1)[depths]
+            self.drafter.advance(torch.argmax(logits[fed.tree_rows :], dim=-1).tolist())
+            logits = logits[: fed.tree_rows]
+        rows = None if noise is None else noise.rows(position, tree.depth + 1)[tree.fed_depths()]
         verdict = verify_tree(logits, tree, sampling, generator, rows)
         kept = kept_offsets(verdict.path)
         self.target.keep(cached, kept)
@@ -288,7 +279,7 @@ class SpeculativeDecoder:
             accepted=verdict.accepted,
             draft_seconds=verify_started - draft_started,
             verify_seconds=self._clock() - verify_started,
-            fed=len(fed),
+            fed=len(fed.tokens),
             tree=True,
             catch_up_seconds=caught_up,
             guessed=len(guess),

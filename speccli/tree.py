@@ -187,6 +187,53 @@ def verify_tree_sampled(p: torch.Tensor, tree: TokenTree, generator: torch.Gener
         node = accepted
 
 
+@dataclass(frozen=True)
+class Branch:
+    """The lookahead branch of one pass: its tokens, their positions past the pending
+    token's, and which of them each sees ([m, m]; every one also sees the pending token)."""
+
+    tokens: list[int]
+    offsets: list[int]
+    visible: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def beside(self, tree_visible: torch.Tensor) -> torch.Tensor:
+        """The visibility of [pending, tree nodes, branch tokens]: the tree's block, this
+        branch's block, and the pending token for every branch token."""
+        n, m = tree_visible.shape[0], len(self.tokens)
+        visible = torch.zeros((n + m, n + m), dtype=torch.bool)
+        visible[:n, :n] = tree_visible
+        visible[n:, 0] = True
+        visible[n:, n:] = self.visible
+        return visible
+
+
+@dataclass(frozen=True)
+class TreePass:
+    """What one tree pass feeds after `cached` tokens: the pending token, the tree's nodes
+    and, beside them, a lookahead branch if one rides along (its rows come after the tree's
+    and none of it stays in the cache)."""
+
+    tokens: list[int]
+    positions: list[int]
+    visible: torch.Tensor
+    tree_rows: int  # the pending token's row and the tree's: the rest are the branch's
+
+    @classmethod
+    def of(cls, pending: int, tree: TokenTree, cached: int, branch: Branch | None = None) -> TreePass:
+        tokens = [pending, *tree.tokens]
+        positions = [cached + depth for depth in tree.fed_depths()]
+        visible = tree.visibility()
+        if branch is not None:
+            # The branch sees the pending token and itself; the tree does not see it.
+            tokens += branch.tokens
+            positions += [cached + offset for offset in branch.offsets]
+            visible = branch.beside(visible)
+        return cls(tokens, positions, visible, len(tree) + 1)
+
+
 def verify_tree(
     logits: torch.Tensor,
     tree: TokenTree,

@@ -17,7 +17,7 @@ from speccli.autok.policy import DraftLengthPolicy, FixedDraftLength, StepPlan
 from speccli.backends.base import CausalLM
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise, gumbel_argmax
-from speccli.tree import TokenTree, TreeShape
+from speccli.tree import Branch, TokenTree, TreeShape
 from speccli.verify import sample, warp
 
 
@@ -28,29 +28,6 @@ class Draft:
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-
-@dataclass(frozen=True)
-class Branch:
-    """The lookahead branch of one pass: its tokens, their positions past the pending
-    token's, and which of them each sees ([m, m]; every one also sees the pending token)."""
-
-    tokens: list[int]
-    offsets: list[int]
-    visible: torch.Tensor
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def beside(self, tree_visible: torch.Tensor) -> torch.Tensor:
-        """The visibility of [pending, tree nodes, branch tokens]: the tree's block, this
-        branch's block, and the pending token for every branch token."""
-        n, m = tree_visible.shape[0], len(self.tokens)
-        visible = torch.zeros((n + m, n + m), dtype=torch.bool)
-        visible[:n, :n] = tree_visible
-        visible[n:, 0] = True
-        visible[n:, n:] = self.visible
-        return visible
 
 
 class Drafter:

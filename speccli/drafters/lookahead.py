@@ -27,16 +27,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from speccli.autok.lookahead import DEFAULT_SHAPE, LookaheadGate, LookaheadShape, choose_shape
 from speccli.autok.costs import CostCurve
+from speccli.autok.lookahead import DEFAULT_SHAPE, LookaheadGate, LookaheadShape, choose_shape
 from speccli.autok.policy import DraftLengthPolicy, FixedDraftLength, StepPlan
 from speccli.backends.base import common_prefix_length
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
-from speccli.drafters.base import Branch, Drafter
+from speccli.drafters.base import Drafter
 from speccli.drafters.ngram import LOOKUP_ACCEPTANCE, PromptLookupDrafter
 from speccli.drafters.trees import trie
-from speccli.tree import TokenTree, TreeShape
+from speccli.tree import Branch, TokenTree, TreeShape
 
 POOL_PER_TOKEN = 8  # n-grams kept per first token, the latest
 
