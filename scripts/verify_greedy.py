@@ -2,6 +2,7 @@
 
     python scripts/verify_greedy.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
         --dtype float32 --max-new-tokens 32 "def fib(n):" "def quicksort(arr):"
+    python scripts/verify_greedy.py --prompts scripts/prompts/default.jsonl   # chat prompts through the template
 
 `--tree` drafts token trees; `--draft lookahead` (or `ngram`) checks those drafters.
 
@@ -15,10 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from speccli.bench.divergence import first_difference
+from speccli.bench.prompts import load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.models.onednn import set_cpu_linear
 from speccli.pipeline import load_pipeline
@@ -27,7 +30,9 @@ from speccli.prompts import Prompt
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("prompts", nargs="+")
+    parser.add_argument("prompts", nargs="*", help="raw-text prompts")
+    parser.add_argument("--prompts", dest="prompt_file", type=Path,
+                        help="a .txt or .jsonl prompt file, as `specgen bench` reads it (messages through the chat template)")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtype", default="float32")
@@ -39,14 +44,19 @@ def main() -> int:
         lengths = [parse_draft_length(x) for x in args.k.split(",")]
     except ValueError as error:
         parser.error(str(error))
+    prompts = [(text[:40], Prompt.of(text)) for text in args.prompts]
+    if args.prompt_file is not None:
+        prompts += [(item.name, item.request()) for item in load_prompts(args.prompt_file)]
+    if not prompts:
+        parser.error("give prompts, or --prompts FILE")
 
     config = LoadConfig(dtype=args.dtype)
     pipeline = load_pipeline(args.target, args.draft, config, config, progress=lambda m: print(m, file=sys.stderr))
     tokenizer, model = pipeline.tokenizer, pipeline.target.model
     generator = pipeline.speculator()
     failures = 0
-    for prompt in args.prompts:
-        ids = generator.encode(Prompt.of(prompt))
+    for name, prompt in prompts:
+        ids = generator.encode(prompt)
         # The reference is the target as transformers runs it: PyTorch's stock kernels.
         set_cpu_linear(model, pipeline.target.linear, enabled=False)
         started = time.perf_counter()
@@ -74,7 +84,7 @@ def main() -> int:
                 top2 = torch.topk(logits, 2).values
                 detail = f" first difference at new token {position}; target top-2 logit gap there {float(top2[0] - top2[1]):.4f}"
             print(
-                f"{'OK  ' if same else 'DIFF'} k={k} {prompt!r}: {len(tokens)} tokens, acceptance {acceptance:.0%},"
+                f"{'OK  ' if same else 'DIFF'} k={k} {name!r}: {len(tokens)} tokens, acceptance {acceptance:.0%},"
                 f" {generation.stats.tokens_per_step or 0:.2f} tokens/step, {generation.stats.mean_pass_size or 0:.1f} tokens/pass,"
                 f" {seconds:.1f} s (target generate {plain_seconds:.1f} s){detail}"
             )
