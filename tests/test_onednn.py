@@ -191,10 +191,11 @@ def test_the_latest_loads_ratios_decide_together(monkeypatch, tmp_path):
     measured = iter([0.85, 0.86, 0.84, 0.97, 0.99, 0.98, 0.99, 0.80])
     monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: next(measured))
     decisions = [two_rows_pay(model, tmp_path, "CPU A") for _ in range(8)]
-    # A load or two that time above the bar do not flip the choice; once most of the latest do, it flips.
+    # A load or two that time above the bar do not flip the choice; once most of them do, it flips.
     assert decisions == [True] * 6 + [False] * 2
     history = onednn.row_pair_history(tmp_path, "CPU A", (64, 32))
-    assert json.loads(history.read_text())["row_pair_ratios"] == [0.86, 0.84, 0.97, 0.99, 0.98, 0.99, 0.80]
+    assert json.loads(history.read_text())["row_pair_ratios"] == [0.85, 0.86, 0.84, 0.97, 0.99, 0.98, 0.99]
+    assert next(measured) == 0.80  # seven loads decided: the eighth timed nothing
     # Another CPU (or torch build, thread count, shape) starts its own record.
     assert onednn.row_pair_history(tmp_path, "CPU B", (64, 32)) != history
     monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: 0.95)
@@ -313,3 +314,33 @@ def test_load_model_gives_float32_rows_to_the_faster_kernel(folder, monkeypatch,
     assert seen == [(tmp_path / "kernels", loading.cpu_name())]
     assert loaded.linear == "onednn" and loaded.stock_rows == {"64x32": 4}
     assert "float32, oneDNN linear from 4 rows on cpu" in loaded.describe()
+
+
+def test_a_full_history_decides_and_later_loads_time_nothing(monkeypatch, tmp_path):
+    model = tiny_llama(60, seed=3)
+    set_onednn_linear(model)
+    monkeypatch.setattr(onednn, "MIN_TIMED_FLOAT32_WEIGHT", 64 * 32)
+    monkeypatch.setattr(onednn, "REMEMBERED_STOCK_ROWS", 3)
+    found = iter([4, 2, 1, 2, 6, 2])  # gate/up, down; three loads
+    monkeypatch.setattr(onednn, "stock_rows_below", lambda weights: next(found))
+    for _ in range(3):
+        chosen = onednn.choose_stock_rows(model, tmp_path, "CPU A")
+    assert chosen == {(64, 32): 4, (32, 64): 2}  # the lower medians of 4, 1, 6 and 2, 2, 2
+    monkeypatch.setattr(onednn, "stock_rows_below", lambda weights: pytest.fail("timed a decided shape"))
+    said = []
+    assert onednn.choose_stock_rows(model, tmp_path, "CPU A", progress=said.append) == chosen and said == []
+    assert model.model.layers[0].mlp.up_proj.stock_below == 4
+    # Another machine's history is its own: it times again.
+    monkeypatch.setattr(onednn, "stock_rows_below", lambda weights: 5)
+    assert onednn.choose_stock_rows(model, tmp_path, "CPU B") == {(64, 32): 5, (32, 64): 5}
+
+
+def test_two_rows_are_timed_until_the_history_is_full(monkeypatch, tmp_path):
+    model = tiny_llama(60, seed=3).to(torch.bfloat16)
+    monkeypatch.setattr(onednn, "MIN_JUDGED_WEIGHT", 1)
+    monkeypatch.setattr(onednn, "REMEMBERED_RATIOS", 3)
+    ratios = iter([0.5, 1.5, 0.6])
+    monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: next(ratios))
+    assert [onednn.two_rows_pay(model, tmp_path, "CPU A") for _ in range(3)] == [True, False, True]
+    monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: pytest.fail("timed a decided shape"))
+    assert onednn.two_rows_pay(model, tmp_path, "CPU A") is True  # the median of 0.5, 1.5, 0.6

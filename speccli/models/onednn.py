@@ -200,7 +200,8 @@ def two_rows_pay(model: torch.nn.Module, history_dir: Path | None = None, machin
     CPU's name), torch build, thread count and weight shape, and their median decides: one
     load's timing on a shared VM is not stable enough (now and then a load times two rows
     no faster than one on a CPU where they usually are clearly faster), and a flip changes
-    both the speed and bfloat16's rounding from one run to the next."""
+    both the speed and bfloat16's rounding from one run to the next. Once REMEMBERED_RATIOS
+    loads have timed it, their median stands and later loads do not time it again."""
     layers = _bfloat16_cpu_linears(model)
     if not layers:
         return False
@@ -211,13 +212,14 @@ def two_rows_pay(model: torch.nn.Module, history_dir: Path | None = None, machin
     shape = max(by_shape, key=by_shape.get)
     if shape[0] * shape[1] < MIN_JUDGED_WEIGHT:
         return False
-    weight = next(module.weight for module in layers if tuple(module.weight.shape) == shape)
-    ratios = [row_pair_ratio(weight.detach())]
-    if history_dir is not None:
-        history = row_pair_history(history_dir, machine, shape)
-        ratios = (_read_numbers(history, "row_pair_ratios") + ratios)[-REMEMBERED_RATIOS:]
-        write_json(history, {"row_pair_ratios": ratios})
-    return statistics.median(ratios) <= ROW_PAIR_GAIN
+    history = None if history_dir is None else row_pair_history(history_dir, machine, shape)
+    ratios = [] if history is None else _read_numbers(history, "row_pair_ratios")
+    if len(ratios) < REMEMBERED_RATIOS:  # decided once the history is full: later loads time nothing
+        weight = next(module.weight for module in layers if tuple(module.weight.shape) == shape)
+        ratios = (ratios + [row_pair_ratio(weight.detach())])[-REMEMBERED_RATIOS:]
+        if history is not None:
+            write_json(history, {"row_pair_ratios": ratios})
+    return statistics.median(ratios[-REMEMBERED_RATIOS:]) <= ROW_PAIR_GAIN
 
 
 def row_pair_history(history_dir: Path, machine: str, shape: tuple[int, ...]) -> Path:
@@ -299,23 +301,30 @@ def choose_stock_rows(model: torch.nn.Module, history_dir: Path | None = None, m
     With `history_dir`, each shape's finding joins those of the latest loads on this
     `machine`, torch build and thread count, and their median decides: a shape near the
     crossing (two kernels even at 4 rows) must not flip from load to load, each flip
-    changing float32's rounding in passes of that size. `progress` hears of the timing before
+    changing float32's rounding in passes of that size. Once REMEMBERED_STOCK_ROWS loads
+    have timed a shape, their median stands and later loads do not time it again. `progress` hears of the timing before
     it starts (nothing where no shape is large enough to time). Returns {shape: rows}."""
     layers = [module for module in model.modules() if type(module) is OneDnnLinear]
     weights: dict[tuple[int, int], list[torch.Tensor]] = {}
     for module in layers:
         weights.setdefault(tuple(module.weight.shape), []).append(module.weight.detach())
-    timed = {shape: same for shape, same in weights.items() if shape[0] * shape[1] >= MIN_TIMED_FLOAT32_WEIGHT}
+    judged = {shape: same for shape, same in weights.items() if shape[0] * shape[1] >= MIN_TIMED_FLOAT32_WEIGHT}
+    chosen: dict[tuple[int, int], int] = {}
+    remembered: dict[tuple[int, int], list[int]] = {}
+    for shape in judged:
+        found = [] if history_dir is None else [int(n) for n in _read_numbers(
+            kernel_history(history_dir, "stock-rows", machine, shape), "stock_below")]
+        if len(found) >= REMEMBERED_STOCK_ROWS:  # decided: later loads time nothing
+            chosen[shape] = statistics.median_low(found[-REMEMBERED_STOCK_ROWS:])
+        remembered[shape] = found
+    timed = {shape: same for shape, same in judged.items() if shape not in chosen}
     if timed and progress is not None:
         progress(f"timing float32 kernels by rows for {len(timed)} weight shapes (PyTorch's or oneDNN's)")
-    chosen: dict[tuple[int, int], int] = {}
     for shape, same_shape in timed.items():
         rows = stock_rows_below(same_shape)
         if history_dir is not None:
-            history = kernel_history(history_dir, "stock-rows", machine, shape)
-            found = [int(n) for n in _read_numbers(history, "stock_below")] + [rows]
-            found = found[-REMEMBERED_STOCK_ROWS:]
-            write_json(history, {"stock_below": found})
+            found = (remembered[shape] + [rows])[-REMEMBERED_STOCK_ROWS:]
+            write_json(kernel_history(history_dir, "stock-rows", machine, shape), {"stock_below": found})
             rows = statistics.median_low(found)
         chosen[shape] = rows
     for module in layers:
