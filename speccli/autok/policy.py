@@ -525,7 +525,7 @@ class KAuto:
 
     def __init__(self) -> None:
         self.kept: AdaptiveDraftLength | DraftLengthByMatch | None = None
-        self._built_from: tuple = ()
+        self._built_from: tuple[int, CostCurve | None, AcceptancePrior | None] | None = None
 
     def policy(
         self,
@@ -537,26 +537,25 @@ class KAuto:
         """The policy for drafts of at most `max_k` tokens (and at most what the costs
         measured passes for). `match_acceptance`: for drafts keyed by the length of the
         n-gram they continue (prompt lookup), the acceptance such drafts start from."""
-        built_from = (max_k, costs, prior)
-        same = len(self._built_from) == 3 and self._built_from[0] == max_k and all(
-            a is b for a, b in zip(self._built_from[1:], built_from[1:])
-        )
-        if self.kept is None or not same:
-            if costs is not None:
-                max_k = max(1, min(max_k, costs.largest - 1))
-            if match_acceptance is not None:
-                self.kept = DraftLengthByMatch(lambda match: _for_match(max_k, match, prior, match_acceptance))
-            else:
-                settings = {}
-                if prior is not None and prior.acceptance:
-                    settings = {"prior_acceptance": prior.acceptance, "prior_steps": prior.steps}
-                    if prior.opening is not None:
-                        settings["opening_prior"] = prior.opening.acceptance[0]
-                        settings["opening_prior_steps"] = prior.opening.steps
-                self.kept = AdaptiveDraftLength(max_k=max_k, **settings)
-            self._built_from = built_from
-            if costs is not None:
-                self.kept.costs.seed(costs.verify_seconds, costs.draft_seconds)
+        if self.kept is not None and self._built_from is not None:
+            kept_max_k, kept_costs, kept_prior = self._built_from
+            if kept_max_k == max_k and kept_costs is costs and kept_prior is prior:
+                return self.kept
+        self._built_from = (max_k, costs, prior)
+        if costs is not None:
+            max_k = max(1, min(max_k, costs.largest - 1))
+        if match_acceptance is not None:
+            self.kept = DraftLengthByMatch(lambda match: _for_match(max_k, match, prior, match_acceptance))
+        else:
+            settings = {}
+            if prior is not None and prior.acceptance:
+                settings = {"prior_acceptance": prior.acceptance, "prior_steps": prior.steps}
+                if prior.opening is not None:
+                    settings["opening_prior"] = prior.opening.acceptance[0]
+                    settings["opening_prior_steps"] = prior.opening.steps
+            self.kept = AdaptiveDraftLength(max_k=max_k, **settings)
+        if costs is not None:
+            self.kept.costs.seed(costs.verify_seconds, costs.draft_seconds)
         return self.kept
 
     def learned(self) -> AcceptancePrior | None:
