@@ -686,3 +686,25 @@ def test_chat_in_a_real_terminal(endless_folders, tmp_path):
     assert data["settings"]["k"] == 2 and data["settings"]["max_tokens"] == 100000
     history = (tmp_path / "state" / "specgen" / "history").read_text()
     assert "hello there" in history and "/set k 2" in history
+
+
+def test_the_first_line_read_waits_for_the_warm_up_beside_it():
+    import threading
+
+    from speccli.ui.chat import AfterWarmUp, StreamReader
+
+    release, order = threading.Event(), []
+
+    def warm_up():
+        release.wait(5)
+        order.append("warmed up")
+
+    warming = threading.Thread(target=warm_up)
+    warming.start()
+    reader = AfterWarmUp(StreamReader(io.StringIO("first\nsecond\n")), warming)
+    threading.Timer(0.2, release.set).start()
+    order.append(reader.read(False))  # read at once, handed out only after the warm-up
+    assert order == ["warmed up", "first"]
+    assert reader.read(False) == "second"
+    with pytest.raises(EOFError):
+        reader.read(False)

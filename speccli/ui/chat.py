@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, TextIO
@@ -109,6 +110,27 @@ class StreamReader:
         if line == "":
             raise EOFError
         return line.rstrip("\r\n")
+
+
+class AfterWarmUp:
+    """A reader whose first line waits until the warm-up running beside it is done: the
+    prompt shows while the models warm up, and the first question is answered after."""
+
+    def __init__(self, reader, warming: threading.Thread) -> None:
+        self.reader = reader
+        self.warming = warming
+
+    def read(self, continuation: bool) -> str:
+        line = self.reader.read(continuation)
+        self.warming.join()
+        return line
+
+
+def _warm_up_quietly(session: ChatSession) -> None:
+    try:
+        session.warm_up()
+    except ChatError:
+        pass  # the first answer will say what is wrong, if anything
 
 
 class TerminalReader:
@@ -464,12 +486,21 @@ def run_chat(
         if hasattr(stdin, "reconfigure"):
             stdin.reconfigure(errors="replace")  # a stray byte must not end a scripted chat
         reader = StreamReader(stdin)
-    if warm_up:
+    if not warm_up:
+        return ui.run(reader)
+    if not interactive:
         try:
-            session.warm_up()
-        except (ChatError, KeyboardInterrupt):
-            pass  # the first answer will say what is wrong, if anything
-    return ui.run(reader)
+            _warm_up_quietly(session)
+        except KeyboardInterrupt:
+            pass
+        return ui.run(reader)
+    # At a terminal the prompt shows at once; the user types while the models warm up.
+    warming = threading.Thread(target=_warm_up_quietly, args=(session,), name="specgen-warm-up", daemon=True)
+    warming.start()
+    try:
+        return ui.run(AfterWarmUp(reader, warming))
+    finally:
+        warming.join()  # leaving at the prompt: let the passes finish before the interpreter ends
 
 
 def _isatty(stream) -> bool:
