@@ -46,14 +46,14 @@ def source_identity(path: Path) -> dict[str, Any]:
     return {"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "header_sha256": header}
 
 
-def identity(source: Path, dtype: torch.dtype) -> dict[str, Any]:
-    """Everything a conversion of `source` to `dtype` depends on."""
+def identity(source: Path, dtype: str) -> dict[str, Any]:
+    """Everything a conversion of `source` to `dtype` (its name: "bfloat16") depends on."""
     import transformers
 
     return {
         "format": FORMAT,
         "source": source_identity(source),
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
     }
@@ -67,7 +67,7 @@ def _key(ident: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class ConvertedEntry:
-    """One kept conversion: where it is, what it came from, its size on disk."""
+    """One kept conversion: where it is, what it came from, the size of its files."""
 
     folder: Path
     source: str
@@ -146,16 +146,12 @@ def _remove_stale_partials(root: Path) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: alive, someone else's
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
-
-
-def _size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def entries(cache_dir: Path) -> list[ConvertedEntry]:
@@ -169,8 +165,9 @@ def entries(cache_dir: Path) -> list[ConvertedEntry]:
         if entry is None or not _intact(folder, entry):
             continue
         ident = entry.get("identity", {})
+        size = sum(entry["files"].values())  # checked against the files by _intact
         found.append(ConvertedEntry(folder, ident.get("source", {}).get("file", "?"), ident.get("dtype", "?"),
-                                    _size(folder), entry.get("created", "?")))
+                                    size, entry.get("created", "?")))
     return sorted(found, key=lambda e: -e.size_bytes)
 
 

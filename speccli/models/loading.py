@@ -709,7 +709,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
         _quiet_bitsandbytes()
     cache = pending.cache_dir or offline.default_cache_dir()
     keep = resolved.is_gguf and config.keep_converted and not converted.disabled_by_environment()
-    conversion = converted.identity(resolved.gguf_path, dtype) if keep else None
+    conversion = converted.identity(resolved.gguf_path, dtype_name(dtype)) if keep else None
     kept = converted.lookup(cache, conversion) if conversion is not None else None
     with _explaining(name, resolved, quant, device):
         if kept is not None:
