@@ -6,9 +6,9 @@
 
 `--tree` drafts token trees; `--draft lookahead` (or `ngram`) checks those drafters.
 
-Prints one line per prompt and draft length, and exits 1 on any difference. In bfloat16 a
-difference is reported with the target's gap between its top two logits at that position
-(a near-tie is rounding; a clear gap is a bug).
+Prints one line per prompt and draft length, and exits 1 on any difference, each classified
+as `specgen bench` does (speccli.bench.divergence): a near-tie (bfloat16 rounding) or a
+MISMATCH (a bug).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from speccli.bench.divergence import first_difference
+from speccli.bench.divergence import classify, first_difference
 from speccli.bench.prompts import load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
 from speccli.models.onednn import set_cpu_linear
@@ -81,8 +81,11 @@ def main() -> int:
                 failures += 1
                 with torch.inference_mode():
                     logits = model(torch.tensor([ids + reference[:position]])).logits[0, -1].float()
-                top2 = torch.topk(logits, 2).values
-                detail = f" first difference at new token {position}; target top-2 logit gap there {float(top2[0] - top2[1]):.4f}"
+                # A run that stopped at `position` short of the budget ended by end-of-sequence.
+                plain_ended = sorted(eos) if position == len(reference) < args.max_new_tokens else []
+                spec_ended = sorted(eos) if position == len(tokens) < args.max_new_tokens else []
+                divergence = classify(position, reference, tokens, logits, pipeline.target.dtype, plain_ended, spec_ended)
+                detail = f" {divergence.describe()}"
             print(
                 f"{'OK  ' if same else 'DIFF'} k={k} {name!r}: {len(tokens)} tokens, acceptance {acceptance:.0%},"
                 f" {generation.stats.tokens_per_step or 0:.2f} tokens/step, {generation.stats.mean_pass_size or 0:.1f} tokens/pass,"
