@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from speccli.cli import app
 from speccli.config import LoadConfig
-from speccli.models import converted
+from speccli.models import converted, gguf_weights
 from speccli.models.loading import load_model
 from test_models_registry import write_tiny_gguf
 
@@ -34,16 +34,21 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def model_loads(monkeypatch):
-    """The locations AutoModelForCausalLM.from_pretrained is called with, and whether each
-    named a GGUF file (a dequantization)."""
+    """What each weights load read: ("gguf", file name) for a dequantization of a GGUF file,
+    ("folder", path) for AutoModelForCausalLM.from_pretrained of a folder (a conversion)."""
     calls = []
-    real = AutoModelForCausalLM.from_pretrained
+    real_model, real_gguf = AutoModelForCausalLM.from_pretrained, gguf_weights.load_causal_lm
 
-    def spy(location, *args, **kwargs):
-        calls.append((str(location), "gguf_file" in kwargs))
-        return real(location, *args, **kwargs)
+    def model_spy(location, *args, **kwargs):
+        calls.append(("gguf", kwargs["gguf_file"]) if "gguf_file" in kwargs else ("folder", str(location)))
+        return real_model(location, *args, **kwargs)
 
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    def gguf_spy(path, *args, **kwargs):
+        calls.append(("gguf", path.name))
+        return real_gguf(path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", model_spy)
+    monkeypatch.setattr(gguf_weights, "load_causal_lm", gguf_spy)
     return calls
 
 
@@ -58,12 +63,12 @@ def test_the_second_load_reads_the_conversion_and_does_not_dequantize(gguf_file,
     first = load_model(str(path), F32, messages.append, cache)
     entries = converted.entries(cache)
     assert [(e.source, e.dtype) for e in entries] == [("tiny.F32.gguf", "float32")]
-    assert model_loads == [(str(path.parent), True)]
+    assert model_loads == [("gguf", "tiny.F32.gguf")]
     assert any("dequantizing tiny.F32.gguf" in m for m in messages)
 
     messages.clear()
     again = load_model(str(path), F32, messages.append, cache)
-    assert model_loads[1] == (str(entries[0].folder), False)  # no GGUF file named: nothing dequantized
+    assert model_loads[1] == ("folder", str(entries[0].folder))  # nothing dequantized
     assert not any("dequantizing" in m for m in messages)
     assert any("converted earlier" in m for m in messages)
     assert weights_equal(again.model, first.model) and weights_equal(again.model, source)
@@ -79,7 +84,7 @@ def test_another_dtype_is_another_entry(gguf_file, cache, model_loads):
     load_model(str(path), F32, cache_dir=cache)
     load_model(str(path), LoadConfig(device="cpu", dtype="bfloat16", cpu_linear="stock"), cache_dir=cache)
     assert sorted(e.dtype for e in converted.entries(cache)) == ["bfloat16", "float32"]
-    assert [dequantized for _, dequantized in model_loads] == [True, True]
+    assert [kind for kind, _ in model_loads] == ["gguf", "gguf"]
 
 
 def test_a_truncated_entry_is_converted_again_not_loaded(gguf_file, cache, model_loads):
@@ -90,11 +95,11 @@ def test_a_truncated_entry_is_converted_again_not_loaded(gguf_file, cache, model
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     assert converted.entries(cache) == []  # not listed as a usable entry
     again = load_model(str(path), F32, cache_dir=cache)
-    assert [dequantized for _, dequantized in model_loads] == [True, True]
+    assert [kind for kind, _ in model_loads] == ["gguf", "gguf"]
     assert weights_equal(again.model, source)
     assert len(converted.entries(cache)) == 1  # rebuilt, intact
     load_model(str(path), F32, cache_dir=cache)
-    assert model_loads[-1][1] is False
+    assert model_loads[-1][0] == "folder"
 
 
 def test_a_changed_source_file_invalidates_its_entry(gguf_file, cache, model_loads):
@@ -102,7 +107,7 @@ def test_a_changed_source_file_invalidates_its_entry(gguf_file, cache, model_loa
     load_model(str(path), F32, cache_dir=cache)
     changed = write_tiny_gguf(path, seed=9)
     again = load_model(str(path), F32, cache_dir=cache)
-    assert model_loads[-1] == (str(path.parent), True)
+    assert model_loads[-1] == ("gguf", "tiny.F32.gguf")
     assert weights_equal(again.model, changed)
 
 
@@ -117,7 +122,7 @@ def test_no_cache_neither_reads_nor_writes(gguf_file, cache, model_loads, monkey
     load_model(str(path), F32, cache_dir=cache)  # writes
     monkeypatch.setenv(converted.NO_CACHE_ENV, "1")
     load_model(str(path), F32, cache_dir=cache)  # and does not read
-    assert [dequantized for _, dequantized in model_loads] == [True, True, True, True]
+    assert [kind for kind, _ in model_loads] == ["gguf"] * 4
 
 
 def test_a_write_that_fails_leaves_nothing_and_the_load_goes_on(gguf_file, cache, monkeypatch):

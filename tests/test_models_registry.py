@@ -36,11 +36,22 @@ def _permute(w: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, seed: int = 3, hidden: int = 64):
-    """Write a random tiny Llama as an F32 GGUF (lossless) and return the source model."""
+def write_tiny_gguf(path: Path, seed: int = 3, hidden: int = 64, block_types: tuple[str, ...] = ()):
+    """Write a random tiny Llama as a GGUF and return the source model. F32 (lossless) unless
+    ``block_types`` names ggml types ("Q8_0", "Q5_0", ...) that the matrices take in turn."""
     import gguf
 
     model = tiny_llama(len(GGUF_TOKENS), seed=seed, hidden=hidden, logit_scale=20.0)
+    written = [0]
+
+    def add_tensor(name, values):
+        if values.ndim < 2 or not block_types:
+            writer.add_tensor(name, values)
+            return
+        kind = gguf.GGMLQuantizationType[block_types[written[0] % len(block_types)]]
+        written[0] += 1
+        writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
@@ -65,20 +76,20 @@ def write_tiny_gguf(path: Path, seed: int = 3, hidden: int = 64):
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    writer.add_tensor("output.weight", sd["lm_head.weight"])
+    add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    add_tensor("output_norm.weight", sd["model.norm.weight"])
+    add_tensor("output.weight", sd["lm_head.weight"])
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"blk.{i}."
-        writer.add_tensor(dst + "attn_norm.weight", sd[src + "input_layernorm.weight"])
-        writer.add_tensor(dst + "attn_q.weight", _permute(sd[src + "self_attn.q_proj.weight"], heads, heads))
-        writer.add_tensor(dst + "attn_k.weight", _permute(sd[src + "self_attn.k_proj.weight"], heads, kv_heads))
-        writer.add_tensor(dst + "attn_v.weight", sd[src + "self_attn.v_proj.weight"])
-        writer.add_tensor(dst + "attn_output.weight", sd[src + "self_attn.o_proj.weight"])
-        writer.add_tensor(dst + "ffn_norm.weight", sd[src + "post_attention_layernorm.weight"])
-        writer.add_tensor(dst + "ffn_gate.weight", sd[src + "mlp.gate_proj.weight"])
-        writer.add_tensor(dst + "ffn_up.weight", sd[src + "mlp.up_proj.weight"])
-        writer.add_tensor(dst + "ffn_down.weight", sd[src + "mlp.down_proj.weight"])
+        add_tensor(dst + "attn_norm.weight", sd[src + "input_layernorm.weight"])
+        add_tensor(dst + "attn_q.weight", _permute(sd[src + "self_attn.q_proj.weight"], heads, heads))
+        add_tensor(dst + "attn_k.weight", _permute(sd[src + "self_attn.k_proj.weight"], heads, kv_heads))
+        add_tensor(dst + "attn_v.weight", sd[src + "self_attn.v_proj.weight"])
+        add_tensor(dst + "attn_output.weight", sd[src + "self_attn.o_proj.weight"])
+        add_tensor(dst + "ffn_norm.weight", sd[src + "post_attention_layernorm.weight"])
+        add_tensor(dst + "ffn_gate.weight", sd[src + "mlp.gate_proj.weight"])
+        add_tensor(dst + "ffn_up.weight", sd[src + "mlp.up_proj.weight"])
+        add_tensor(dst + "ffn_down.weight", sd[src + "mlp.down_proj.weight"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -716,16 +716,19 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
             say(f"loading {name}: {dtype_name(dtype)} weights converted earlier from {resolved.gguf_file} ({kept})")
             model = AutoModelForCausalLM.from_pretrained(str(kept), **_converted_kwargs(dtype, device))
         else:
+            model = None
             if resolved.is_gguf:
-                say(f"loading {name}: dequantizing {resolved.gguf_file} to {dtype_name(dtype)} on {device} (takes a while)")
+                say(f"loading {name}: dequantizing {resolved.gguf_file} to {dtype_name(dtype)} on {device}")
+                model = _dequantize_gguf(pending, say)
             else:
                 what = f"quantizing to {quant}" if quant in ("4bit", "8bit") else dtype_name(dtype)
                 say(f"loading {name} ({resolved.description}): {what} on {device}")
-            model = _from_pretrained(
-                AutoModelForCausalLM.from_pretrained,
-                resolved,
-                _model_kwargs(resolved, dtype, quant, device, config.trust_remote_code),
-            )
+            if model is None:
+                model = _from_pretrained(
+                    AutoModelForCausalLM.from_pretrained,
+                    resolved,
+                    _model_kwargs(resolved, dtype, quant, device, config.trust_remote_code),
+                )
             if conversion is not None:
                 _keep_conversion(model, cache, conversion, name, say)
         if quant in ("none", "int8") and device.type != "cuda":
@@ -757,6 +760,45 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
         linear=linear,
         stock_rows=stock_rows,
     )
+
+
+def _dequantize_gguf(pending: PendingModel, say: Progress) -> Any:
+    """A local GGUF file through specgen's fast dequantization (see ``gguf_weights``); None
+    where transformers' own GGUF loader runs instead (a Hub file, an architecture its new
+    loader covers)."""
+    from speccli.models import gguf_weights
+
+    path = pending.resolved.gguf_path
+    if path is None or not path.is_file():
+        return None
+    device_map = {"": pending.device} if pending.device.type == "cuda" else None
+    started = time.perf_counter()
+    model = gguf_weights.load_causal_lm(
+        path, pending.dtype, device_map, _fraction_progress(say, f"{pending.name}: dequantizing")
+    )
+    if model is not None:
+        say(f"{pending.name}: dequantized in {time.perf_counter() - started:.1f} s")
+    return model
+
+
+def _fraction_progress(
+    say: Progress, label: str, every: float = 2.0, clock: Callable[[], float] = time.monotonic
+) -> Callable[[int, int], None]:
+    """(done, total) calls as a line at each quarter with what is left, at most every ``every``
+    seconds (a quick job prints none)."""
+    started = clock()
+    state = {"shown": started, "quarter": 0}
+
+    def report(done: int, total: int) -> None:
+        now = clock()
+        quarter = 4 * done // total if total else 4
+        if quarter <= state["quarter"] or quarter >= 4 or now - state["shown"] < every:
+            return
+        state.update(shown=now, quarter=quarter)
+        left = (now - started) * (total - done) / max(done, 1)
+        say(f"{label}: {25 * quarter}%, about {left:.0f} s left")
+
+    return report
 
 
 def _converted_kwargs(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:

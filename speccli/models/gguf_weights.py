@@ -1,0 +1,173 @@
+"""A GGUF file's tensors, dequantized into a transformers state dict, fast.
+
+For architectures its new GGUF loader does not cover (Qwen2, Llama, Mistral, ...), transformers
+parses the file with the `gguf` package's reader (slow, see ``gguf_file``) and dequantizes every
+block with the package's numpy code on one core. This reads the header with ``gguf_file``,
+dequantizes each tensor with transformers' torch kernels (every core) where they cover the
+block type (Q5_0 and Q5_1, which Q4_K_M files use and transformers lacks, are written here the
+same way) and with the `gguf` package's numpy code for the rest, then names
+and reshapes it with transformers' own GGUF tensor processors. The result is the state dict
+transformers' path loads, bit for bit (tests/test_gguf_weights.py compares them).
+"""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+import torch
+
+from speccli.models.gguf_file import GgufHeader, GgufTensor, read_header
+
+TensorProgress = Callable[[int, int], None]  # (tensors done, tensors in all)
+
+_FLOAT_TYPES = {
+    int(gguf.GGMLQuantizationType.F32): np.float32,
+    int(gguf.GGMLQuantizationType.F16): np.float16,
+}
+
+
+def _q5_values(blocks: torch.Tensor, high_bits_at: int) -> torch.Tensor:
+    """The 32 five-bit values of each Q5 block, as the gguf package unpacks them: element j < 16
+    is the low nibble of byte j, element j + 16 its high nibble; bit j of the little-endian
+    32-bit word at ``high_bits_at`` is element j's fifth bit. In uint8 throughout (4x less
+    memory traffic than int32 on a large tensor)."""
+    high_bytes = blocks[:, high_bits_at : high_bits_at + 4]
+    fifth = ((high_bytes.unsqueeze(-1) >> _BIT_SHIFTS) & 1).reshape(-1, 32)
+    nibbles = blocks[:, high_bits_at + 4 :]
+    return torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1) | (fifth << 4)
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    return _half(blocks, 0) * (_q5_values(blocks, 2).to(torch.float32) - 16)
+
+
+def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    return _half(blocks, 0) * _q5_values(blocks, 4).to(torch.float32) + _half(blocks, 2)
+
+
+_OWN_KERNELS = {
+    int(gguf.GGMLQuantizationType.Q5_0): _dequantize_q5_0,
+    int(gguf.GGMLQuantizationType.Q5_1): _dequantize_q5_1,
+}
+
+
+def _torch_kernel_types() -> set[int]:
+    try:
+        from transformers.integrations.gguf.dequant import GGML_BLOCK
+    except ImportError:  # an older transformers: numpy for its types
+        return set(_OWN_KERNELS)
+    return set(GGML_BLOCK) | set(_OWN_KERNELS)
+
+
+def dequantize(data: mmap.mmap, tensor: GgufTensor, torch_types: set[int]) -> np.ndarray:
+    """``tensor``'s values in float32, shaped as in torch, in memory of their own (no view of
+    the mapping)."""
+    if tensor.ggml_type in torch_types:
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=tensor.nbytes, offset=tensor.start)
+        if tensor.ggml_type in _OWN_KERNELS:
+            _, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.ggml_type)]
+            values = _OWN_KERNELS[tensor.ggml_type](raw.reshape(-1, block_bytes))
+        else:
+            from transformers.integrations.gguf.dequant import dequantize as torch_dequantize
+
+            values = torch_dequantize(raw, tensor.ggml_type, torch.float32)
+        return values.reshape(tensor.shape).numpy()
+    if tensor.ggml_type in _FLOAT_TYPES:
+        values = np.frombuffer(data, dtype=_FLOAT_TYPES[tensor.ggml_type], count=_elements(tensor), offset=tensor.start)
+        return values.reshape(tensor.shape).astype(np.float32)  # a copy, out of the mapping
+    block_elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.ggml_type)]
+    raw_shape = (*tensor.shape[:-1], tensor.shape[-1] // block_elements * block_bytes)
+    raw = np.frombuffer(data, dtype=np.uint8, count=tensor.nbytes, offset=tensor.start).reshape(raw_shape)
+    return gguf.dequantize(raw, gguf.GGMLQuantizationType(tensor.ggml_type))
+
+
+def _elements(tensor: GgufTensor) -> int:
+    count = 1
+    for size in tensor.shape:
+        count *= size
+    return count
+
+
+def state_dict(
+    header: GgufHeader,
+    model: Any,
+    dtype: torch.dtype,
+    progress: TensorProgress | None = None,
+) -> dict[str, torch.Tensor]:
+    """``header``'s tensors under ``model``'s parameter names, in ``dtype``. ``model`` (on the
+    meta device is enough) gives the names; its config the shapes the processors need."""
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    config = model.config.to_dict()
+    processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config)
+    names = get_gguf_hf_weights_map(model, processor)
+    parsed: dict[str, Any] = {"config": config, "tensors": {}}
+    torch_types = _torch_kernel_types()
+    # Copy-on-write mapping: writable for torch.frombuffer, and nothing is ever written.
+    with open(header.path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) as data:
+        for done, tensor in enumerate(header.tensors, start=1):
+            _convert(data, tensor, processor, names, parsed, dtype, torch_types)
+            if progress is not None:
+                progress(done, len(header.tensors))
+    return parsed["tensors"]
+
+
+def _convert(
+    data: mmap.mmap,
+    tensor: GgufTensor,
+    processor: Any,
+    names: dict[str, str],
+    parsed: dict[str, Any],
+    dtype: torch.dtype,
+    torch_types: set[int],
+) -> None:
+    """One tensor into ``parsed["tensors"]`` (a function of its own so that no view of the
+    mapping outlives it: the mapping could not be closed)."""
+    result = processor.process(
+        weights=dequantize(data, tensor, torch_types),
+        name=tensor.name,
+        tensor_key_mapping=names,
+        parsed_parameters=parsed,
+    )
+    if result.name in names:
+        parsed["tensors"][names[result.name]] = torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype)
+
+
+def load_causal_lm(path: Path, dtype: torch.dtype, device_map: dict[str, Any] | None, progress: TensorProgress | None = None) -> Any:
+    """The model ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)``
+    gives for the GGUF file at ``path``, with the same weights bit for bit, several times faster.
+    None where transformers' own loader should run instead: an architecture its new GGUF loader
+    covers, or a config with no causal-LM class. Raises GgufFormatError for a damaged file."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    header = read_header(path)
+    try:
+        from transformers.integrations.gguf import is_gguf_arch_supported
+    except ImportError:
+        pass
+    else:
+        if is_gguf_arch_supported(header.architecture):
+            return None
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with torch.device("meta"):
+        skeleton = model_class(config)  # names and shapes only: no memory, no initialisation
+    tensors = state_dict(header, skeleton, dtype, progress)
+    return model_class.from_pretrained(None, config=config, state_dict=tensors, dtype=dtype, device_map=device_map)
