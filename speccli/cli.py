@@ -167,7 +167,7 @@ NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Neither read nor k
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
 TreeOpt = Annotated[bool, typer.Option("--tree", help="Draft a tree of candidates k deep instead of one chain: the draft model branches where it is unsure (ngram: several earlier continuations) and one target pass checks every branch; its size follows the measured pass costs. Pays where a pass over many tokens costs little more than one (bfloat16 on CPUs with bf16 units, GPUs).")]
-RecalibrateOpt = Annotated[bool, typer.Option("--recalibrate", help="Time target and draft passes again for --k auto instead of using the cached calibration for this model pair and device.")]
+RecalibrateOpt = Annotated[bool, typer.Option("--recalibrate", help="Measure the full table of pass costs for --k auto now (a minute or two on a CPU) instead of using the cached one, or the quick probe a first run starts from.")]
 
 # How the target and the draft are loaded: every generating command takes these, declared
 # here once (`with_load_options`), and gets them as one `load` dict of ModelOptions' fields.

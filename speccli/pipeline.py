@@ -57,13 +57,16 @@ class Pipeline:
     def speculator(self, progress: Callable[[str], None] | None = None, recalibrate: bool = False) -> Speculator:
         """The Speculator over this pipeline's decoder. `k auto` calibrates through the
         on-disk cache (speccli.autok.store) the first time it is asked for, and
-        what it learns about the draft's acceptance is kept there after each generation; a
-        calibration the generation's own passes show overstated is dropped, to be measured again."""
+        what it learns about the draft's acceptance is kept there after each generation, with
+        the passes it ran while the calibration is still filling in; a complete calibration
+        the generation's own passes show overstated is dropped, to be measured again."""
         from speccli.api import Speculator
-        from speccli.autok.store import calibrate, drop_if_overstated, remember
+        from speccli.autok.store import calibrate, drop_if_overstated, refine, remember
 
         def after_generation(decoder: SpeculativeDecoder, max_k: int) -> str | None:
             remember(self, max_k, decoder=decoder)
+            if refine(self, max_k, decoder=decoder):  # a table still filling in takes the passes
+                return None
             return drop_if_overstated(self, max_k, decoder=decoder)
 
         return Speculator(

@@ -213,12 +213,13 @@ def pipeline_for(folders, draft: str | None = None):
 def test_calibrate_measures_once_then_reads_the_cache(folders, tmp_path, monkeypatch):
     pipeline = pipeline_for(folders)
     messages: list[str] = []
-    costs = calibrate(pipeline, max_k=3, progress=messages.append, cache_dir=tmp_path)
+    costs = calibrate(pipeline, max_k=3, progress=messages.append, refresh=True, cache_dir=tmp_path)
     assert sorted(costs.verify_seconds) == [1, 2, 3, 4] and costs.draft_seconds > 0
     assert pipeline.decoder.costs == costs
     assert messages[0].startswith("calibrating: timing") and messages[-1].startswith("calibrated in")
     assert messages[1].startswith("calibrating: round 1 of 8 done, about ") and len(messages) == 3
     path = calibration_path(calibration_identity(pipeline, 4), tmp_path)
+    assert "samples" not in json.loads(path.read_text())  # the full table: complete
     assert json.loads(path.read_text())["costs"]["draft_seconds"] is None  # the target's passes alone
     drafted = draft_cost_path(draft_identity(pipeline.draft), tmp_path)
     assert json.loads(drafted.read_text())["identity"]["draft"]["quant"] == "int8"
@@ -330,7 +331,7 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: FLAT)
     pipeline = pipeline_for(folders)
-    generator = pipeline.speculator()
+    generator = pipeline.speculator(recalibrate=True)  # a complete table: the generation leaves it as it is
     auto = SpecConfig(k="auto", max_new_tokens=16)
     assert remember(pipeline, auto.max_k) is None  # nothing learned yet: nothing written
     generator.stream([5, 6, 7], SamplingConfig(), auto).run()
@@ -432,7 +433,7 @@ def test_a_calibration_the_passes_show_overstated_is_dropped_and_measured_again(
     monkeypatch.setattr(calibration_cache, "measure_costs", measure)
     pipeline = pipeline_for(folders)
     messages: list[str] = []
-    generator = pipeline.speculator(progress=messages.append)
+    generator = pipeline.speculator(progress=messages.append, recalibrate=True)  # complete tables
     auto = SpecConfig(k="auto", max_new_tokens=MIN_PASSES * 6)  # k auto drafts 1-2 tokens a step here
     generator.stream([5, 6, 7], SamplingConfig(), auto).run()
     path = calibration_path(calibration_identity(pipeline, auto.max_k + 1))
@@ -470,7 +471,7 @@ def test_the_check_after_a_generation_reads_the_decoder_that_ran_it(folders, tmp
     slow = CostCurve({n: 10.0 for n in range(1, 10)}, 0.5)
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: slow)
     pipeline = pipeline_for(folders)
-    generator = pipeline.speculator()
+    generator = pipeline.speculator(recalibrate=True)
     auto = SpecConfig(k="auto", max_new_tokens=MIN_PASSES * 6)
     generator.calibrate(auto.max_k)
     generator.use_drafter(copy.copy(pipeline.decoder.drafter))
@@ -483,3 +484,65 @@ def test_the_check_after_a_generation_reads_the_decoder_that_ran_it(folders, tmp
     identity = prior_identity(pipeline, auto.max_k + 1)
     saved = read_prior(prior_path(calibration_path(identity)), identity)
     assert saved is not None and saved.steps == ran.learned().steps > 0 and pipeline.decoder.learned() is None
+
+
+def test_a_first_run_probes_a_few_sizes_and_the_generations_fill_in_the_rest(folders, tmp_path, monkeypatch):
+    from speccli.autok.costs import ROUNDS
+    from speccli.autok.store import refine
+
+    calls: list[tuple[list[int], int]] = []
+    probe = CostCurve({1: 0.1, 2: 0.12, 3: 0.13, 5: 0.15, 8: 0.2}, 0.01)
+
+    def measure(target, draft, max_fed, repeats=ROUNDS, sizes=None, **kwargs):
+        calls.append((sizes, repeats))
+        return probe
+
+    monkeypatch.setattr(calibration_cache, "measure_costs", measure)
+    pipeline = pipeline_for(folders)
+    messages: list[str] = []
+    costs = calibrate(pipeline, max_k=7, progress=messages.append, cache_dir=tmp_path)
+    assert calls == [([1, 2, 3, 5, 8], 2)] and costs == probe
+    assert messages[0] == ("calibrating: timing target passes over 1, 2, 3, 5, 8 tokens and one draft token"
+                           " (a few seconds; the other sizes are learned from the passes generating runs)")
+    path = calibration_path(calibration_identity(pipeline, 8), tmp_path)
+    assert json.loads(path.read_text())["samples"] == {"1": 2, "2": 2, "3": 2, "5": 2, "8": 2}
+
+    # A generation's passes are merged in: a probed size by its share of the passes, a new one as measured.
+    decoder = pipeline.decoder
+    for seconds in (0.3, 0.3, 0.4):
+        decoder.pass_times.record(5, seconds)
+    decoder.pass_times.record(4, 0.14)
+    assert refine(pipeline, 7, tmp_path) is True
+    saved = json.loads(path.read_text())
+    assert saved["costs"]["verify_seconds"]["5"] == pytest.approx((0.15 * 2 + 0.3 * 3) / 5)
+    assert saved["costs"]["verify_seconds"]["4"] == pytest.approx(0.14)
+    assert saved["samples"] == {"1": 2, "2": 2, "3": 2, "4": 1, "5": 5, "8": 2}
+    assert decoder.pass_times.seconds == {}  # merged once, not again after the next generation
+
+    # Once every size rests on ROUNDS passes the table is complete, and no longer refined.
+    for fed in range(1, 9):
+        for _ in range(ROUNDS):
+            decoder.pass_times.record(fed, 0.1 + 0.01 * fed)
+    assert refine(pipeline, 7, tmp_path) is True
+    assert "samples" not in json.loads(path.read_text())
+    decoder.pass_times.record(1, 5.0)
+    assert refine(pipeline, 7, tmp_path) is False
+    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
+    assert calibrate(pipeline_for(folders), max_k=7, cache_dir=tmp_path).verify_seconds[1] == pytest.approx(
+        (0.1 * 2 + 0.11 * ROUNDS) / (2 + ROUNDS))
+
+
+def test_a_table_still_filling_in_is_refined_not_dropped_after_a_generation(folders, tmp_path, monkeypatch):
+    from speccli.autok.costs import MIN_PASSES
+
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
+    slow = CostCurve({n: 10.0 for n in range(1, 10)}, 0.5)  # overstated: tiny models' passes take milliseconds
+    monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: slow)
+    pipeline = pipeline_for(folders)
+    generator = pipeline.speculator()
+    auto = SpecConfig(k="auto", max_new_tokens=MIN_PASSES * 6)
+    generator.stream([5, 6, 7], SamplingConfig(), auto).run()
+    assert generator.take_notices() == []
+    saved = json.loads(calibration_path(calibration_identity(pipeline, auto.max_k + 1)).read_text())
+    fed = [int(size) for size, count in saved["samples"].items() if count > 2]
+    assert fed and all(saved["costs"]["verify_seconds"][str(size)] < 10.0 for size in fed)

@@ -256,12 +256,13 @@ def test_auto_k_calibrates_once_per_pair_and_recalibrates_on_request(folders, tm
     args = ("generate", "abc", *model_args(folders), "-n", "8")
     first = specgen(*args, env=env)
     assert first.returncode == 0, first.stderr.decode()
-    assert "calibrating: timing target passes over 1-17 tokens and one draft token" in first.stderr.decode()
+    assert "calibrating: timing target passes over 1, 2, 3, 5, 9, 17 tokens and one draft token" in first.stderr.decode()
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
     second = specgen(*args, env=env)
     assert second.returncode == 0 and "calibrat" not in second.stderr.decode()
     assert second.stdout == first.stdout == reference_text(folders, "abc", 8).encode()
     third = specgen(*args, "--recalibrate", env=env)
+    assert "calibrating: timing target passes over 1-17 tokens and one draft token in 8 rounds" in third.stderr.decode()
     assert "calibrated in" in third.stderr.decode()
     fixed = specgen(*args, "--k", "3", "--recalibrate", env=env)  # a fixed k needs no costs
     assert fixed.returncode == 0 and "calibrat" not in fixed.stderr.decode()

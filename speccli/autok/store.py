@@ -8,13 +8,21 @@ and the drafter: see prior_identity) lies what `k auto` learned about the draft'
 by position, saved after each generation (`remember`) and read back with the calibration to
 seed the next session's policy. Any of these files, missing or damaged, only costs what it
 would have saved. A calibration that a generation's own passes show was measured on a
-busier machine is dropped and measured again (`drop_if_overstated`)."""
+busier machine is dropped and measured again (`drop_if_overstated`).
+
+A first run does not wait a minute or two for the full table: it probes a few sizes in a few
+seconds (PROBE_SIZES), starts generating from that (k auto refines the costs from the passes
+it runs, see autok.policy.StepCosts), and after each generation the passes it ran are merged
+into the table (`refine`), until every size has ROUNDS measurements and the table is complete.
+`--recalibrate` measures the full table at once."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
 
@@ -38,7 +46,10 @@ class LoadedPair(Protocol):
     drafter_name: str
     decoder: SpeculativeDecoder
 
-# 4: 8 rounds; 3: 3 rounds of each size's median ratio to a one-token pass timed just before
+PROBE_SIZES = (1, 2, 3, 5, 9)  # and the largest: what a first run times before generating
+PROBE_ROUNDS = 2
+
+# 4: 8 rounds (a table without "samples" is a full one); 3: 3 rounds of each size's median ratio to a one-token pass timed just before
 # it; 2: the fastest round; 1: the median
 FORMAT = 4
 PROGRESS_EVERY = 20.0  # seconds between the calibration's progress lines, after the first
@@ -157,12 +168,37 @@ def _write_entry(path: Path, identity: dict[str, Any], entry: dict[str, Any], st
     offline.write_json(path, {"identity": identity, stamp: time.strftime("%Y-%m-%dT%H:%M:%S%z"), **entry})
 
 
-def _read(path: Path, identity: dict[str, Any]) -> CostCurve | None:
-    return _read_entry(path, identity, lambda data: CostCurve.from_dict(data["costs"]))
+@dataclass(frozen=True)
+class StoredCosts:
+    """A calibration as kept: the target's pass costs, and how many passes of each size they
+    rest on while the table is still filling in (empty for a complete table)."""
+
+    costs: CostCurve
+    samples: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.samples
 
 
-def _write(path: Path, identity: dict[str, Any], costs: CostCurve) -> None:
-    _write_entry(path, identity, {"costs": costs.as_dict()})
+def _stored_from(data: dict[str, Any]) -> StoredCosts:
+    samples = {int(fed): int(count) for fed, count in data.get("samples", {}).items()}
+    return StoredCosts(CostCurve.from_dict(data["costs"]), samples)
+
+
+def _read(path: Path, identity: dict[str, Any]) -> StoredCosts | None:
+    return _read_entry(path, identity, _stored_from)
+
+
+def _write(path: Path, identity: dict[str, Any], costs: CostCurve, samples: dict[int, int] | None = None) -> None:
+    entry: dict[str, Any] = {"costs": costs.as_dict()}
+    if samples:
+        entry["samples"] = {str(fed): count for fed, count in sorted(samples.items())}
+    _write_entry(path, identity, entry)
+
+
+def probe_sizes(max_fed: int) -> list[int]:
+    return sorted({size for size in PROBE_SIZES if size <= max_fed} | {max_fed})
 
 
 def _positive_seconds(data: dict[str, Any]) -> float | None:
@@ -258,6 +294,33 @@ def drop_if_overstated(
             " they are measured again before the next generation")
 
 
+def refine(
+    pipeline: LoadedPair, max_k: int, cache_dir: Path | None = None, decoder: SpeculativeDecoder | None = None
+) -> bool:
+    """After a generation with `k auto`: merge the target passes it ran (by tokens fed) into a
+    table that is still filling in, and mark it complete once every size rests on ROUNDS
+    passes. False (nothing done) when the table is complete or missing."""
+    decoder = decoder or pipeline.decoder
+    max_fed = max_k + 1
+    identity = calibration_identity(pipeline, max_fed)
+    path = calibration_path(identity, cache_dir)
+    stored = _read(path, identity)
+    if stored is None or stored.complete:
+        return False
+    verify, samples = dict(stored.costs.verify_seconds), dict(stored.samples)
+    for fed, times in decoder.pass_times.seconds.items():
+        if not 1 <= fed <= max_fed or not times:
+            continue
+        before, added = samples.get(fed, 0), len(times)
+        median = statistics.median(times)
+        verify[fed] = median if before == 0 else (verify[fed] * before + median * added) / (before + added)
+        samples[fed] = before + added
+    decoder.pass_times.seconds.clear()  # merged: the next generation's passes are its own
+    done = all(samples.get(fed, 0) >= ROUNDS for fed in range(1, max_fed + 1))
+    _write(path, identity, CostCurve(verify, None), None if done else samples)
+    return True
+
+
 def calibrate(
     pipeline: LoadedPair,
     max_k: int,
@@ -265,9 +328,10 @@ def calibrate(
     refresh: bool = False,
     cache_dir: Path | None = None,
 ) -> CostCurve | None:
-    """Give the pipeline's decoder measured costs for `k=auto`: from the cache, else by
-    measuring now (a minute or two on a CPU) and caching; and the acceptance prior saved
-    beside them, if any. None when there is no drafter."""
+    """Give the pipeline's decoder measured costs for `k=auto`: from the cache, else by a quick
+    probe of a few sizes (a full measurement, a minute or two on a CPU, with `refresh`) that is
+    cached and refined later (`refine`); and the acceptance prior saved beside them, if any.
+    None when there is no drafter."""
     decoder = pipeline.decoder
     if decoder.drafter is None:
         return None
@@ -275,7 +339,8 @@ def calibrate(
     max_fed = max_k + 1
     identity = calibration_identity(pipeline, max_fed)
     path = calibration_path(identity, cache_dir)
-    costs = None if refresh else _read(path, identity)
+    stored = None if refresh else _read(path, identity)
+    costs = stored.costs if stored is not None else None
     # A draft model's token is timed apart from the target's passes, and cached apart.
     draft_model = decoder.drafter.draft_model if decoder.drafter is not None and pipeline.draft else None
     drafted = draft_identity(pipeline.draft) if draft_model is not None else None
@@ -283,13 +348,23 @@ def calibrate(
     draft_seconds = None if draft_path is None or refresh else _read_draft_seconds(draft_path, drafted)
     time_draft = draft_model is not None and draft_seconds is None
     started = time.perf_counter() if costs is None or time_draft else None
+    with_draft = " and one draft token" if time_draft else ""
     if costs is None:
-        say(f"calibrating: timing target passes over 1-{max_fed} tokens{' and one draft token' if time_draft else ''}"
-            f" in {ROUNDS} rounds (once per target and device; a minute or two on a CPU)")
-        measured = measure_costs(decoder.target, draft_model if time_draft else None, max_fed,
-                                 on_round=RoundProgress(say))
+        if refresh:
+            say(f"calibrating: timing target passes over 1-{max_fed} tokens{with_draft}"
+                f" in {ROUNDS} rounds (a minute or two on a CPU)")
+            measured = measure_costs(decoder.target, draft_model if time_draft else None, max_fed,
+                                     on_round=RoundProgress(say))
+            samples = None
+        else:
+            sizes = probe_sizes(max_fed)
+            say(f"calibrating: timing target passes over {', '.join(map(str, sizes))} tokens{with_draft}"
+                " (a few seconds; the other sizes are learned from the passes generating runs)")
+            measured = measure_costs(decoder.target, draft_model if time_draft else None, max_fed,
+                                     repeats=PROBE_ROUNDS, sizes=sizes)
+            samples = {size: PROBE_ROUNDS for size in sizes}
         costs = CostCurve(measured.verify_seconds, None)
-        _write(path, identity, costs)
+        _write(path, identity, costs, samples)
         draft_seconds = measured.draft_seconds if time_draft else draft_seconds
     elif time_draft:
         say("calibrating: timing one draft token (the target's passes are calibrated already)")
