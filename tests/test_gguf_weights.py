@@ -100,3 +100,18 @@ def test_damaged_files_are_refused_with_the_reason(quantized_gguf, tmp_path):
     not_gguf.write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(gguf_file.GgufFormatError, match="does not start with the GGUF magic"):
         gguf_file.read_header(not_gguf)
+
+
+def test_a_first_load_parses_the_metadata_once_for_tokenizer_and_config(tmp_path, monkeypatch):
+    from speccli.config import LoadConfig
+    from speccli.models.loading import load_model
+
+    path = tmp_path / "once.gguf"
+    write_tiny_gguf(path, seed=5)
+    parses = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: parses.append(args[0]) or real(*args, **kwargs))
+    messages = []
+    load_model(str(path), LoadConfig(device="cpu", dtype="float32"), messages.append, tmp_path / "cache")
+    assert any("converting the tokenizer" in m for m in messages) and any("dequantized in" in m for m in messages)
+    assert len(parses) == 1

@@ -566,6 +566,9 @@ def _load_gguf_tokenizer(resolved: ResolvedModel, cache_dir: Path, say: Progress
         except Exception:
             shutil.rmtree(folder, ignore_errors=True)
     say(f"converting the tokenizer in {resolved.gguf_file} (once; it is kept in {cache_dir / 'tokenizers'})")
+    from speccli.models.gguf_weights import share_metadata_parse
+
+    share_metadata_parse()  # the weights' config, converted next, reads the same parse
     tokenizer = AutoTokenizer.from_pretrained(resolved.location, gguf_file=resolved.gguf_file)
     if folder is not None:
         tmp: str | None = None
