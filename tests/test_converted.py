@@ -13,10 +13,18 @@ from typer.testing import CliRunner
 from speccli.cli import app
 from speccli.config import LoadConfig
 from speccli.models import converted, gguf_weights
-from speccli.models.loading import load_model
+from speccli.models.loading import finish_conversions
+from speccli.models.loading import load_model as load_model_alone
 from test_models_registry import write_tiny_gguf
 
 F32 = LoadConfig(device="cpu", dtype="float32", cpu_linear="stock")
+
+
+def load_model(*args, **kwargs):
+    """Load, and wait for the conversion kept beside the load (a thread)."""
+    loaded = load_model_alone(*args, **kwargs)
+    finish_conversions()
+    return loaded
 
 
 @pytest.fixture
@@ -170,3 +178,26 @@ def test_models_lists_and_removes_conversions(gguf_file, cache, monkeypatch):
     assert removed.exit_code == 0 and converted.entries(cache) == []
     assert "removed tiny.F32.gguf (float32" in removed.stderr
     shutil.rmtree(cache)
+
+
+def test_the_conversion_is_kept_beside_the_rest_of_the_start(gguf_file, cache, monkeypatch):
+    """The load returns while the conversion is still being written; an int8 draft is
+    quantized from a copy, so what is kept is the float32 dequantization."""
+    import threading
+
+    path, source = gguf_file
+    release = threading.Event()
+    real_store = converted.store
+
+    def slow_store(*args, **kwargs):
+        assert release.wait(30)
+        return real_store(*args, **kwargs)
+
+    monkeypatch.setattr(converted, "store", slow_store)
+    draft = load_model_alone(str(path), LoadConfig(device="cpu", dtype="auto", for_draft=True), cache_dir=cache)
+    assert draft.quant == "gguf→int8" and converted.entries(cache) == []  # returned before the write
+    release.set()
+    finish_conversions()
+    [entry] = converted.entries(cache)
+    assert entry.dtype == "float32"
+    assert weights_equal(AutoModelForCausalLM.from_pretrained(str(entry.folder)), source)

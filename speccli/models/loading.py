@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -738,7 +739,8 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
             model = model.to(device)
         if quant == "int8":
             say(f"quantizing {name} to int8 (dynamic, for the CPU)")
-            model = quantize_int8(model)
+            # A copy while the float32 weights are being kept (a thread still reads them).
+            model = quantize_int8(model, inplace=conversion is None or kept is not None)
     model.eval()
     linear = "stock"
     stock_rows: dict[str, int] = {}
@@ -811,17 +813,32 @@ def _converted_kwargs(dtype: torch.dtype, device: torch.device) -> dict[str, Any
     return kwargs
 
 
+_keeping: list[threading.Thread] = []
+
+
 def _keep_conversion(model: Any, cache: Path, conversion: dict[str, Any], name: str, say: Progress) -> None:
-    """Write what the GGUF's dequantization produced for later starts; a failure (a full
-    disk, a read-only cache) costs only the next start's time."""
-    started = time.perf_counter()
+    """Write what the GGUF's dequantization produced for later starts, in a thread beside the
+    rest of the start (the next model's load, the first tokens); the interpreter waits for it
+    before it exits (see finish_conversions). A failure (a full disk, a read-only cache) costs
+    only the next start's time; a write cut short leaves no entry (converted.store)."""
+
+    # Nothing is said when it is done: by then the answer may be streaming to the terminal.
+    def keep() -> None:
+        try:
+            converted.store(cache, conversion, lambda target: model.save_pretrained(target))
+        except OSError as error:
+            say(f"{name}: could not keep the converted weights ({error}); the next start converts again")
+
     say(f"{name}: keeping the converted weights in {cache / converted.FOLDER} for later starts")
-    try:
-        folder = converted.store(cache, conversion, lambda target: model.save_pretrained(target))
-    except OSError as error:
-        say(f"{name}: could not keep the converted weights ({error}); the next start converts again")
-        return
-    say(f"{name}: kept in {time.perf_counter() - started:.1f} s ({folder.name})")
+    thread = threading.Thread(target=keep, name=f"specgen-keep-{name}")
+    _keeping.append(thread)
+    thread.start()
+
+
+def finish_conversions() -> None:
+    """Wait for the conversions being written (a non-daemon thread is waited for at exit anyway)."""
+    while _keeping:
+        _keeping.pop().join()
 
 
 def _load_llama_cpp(pending: PendingModel, say: Progress, started: float) -> LoadedModel:
