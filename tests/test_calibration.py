@@ -491,7 +491,7 @@ def test_a_first_run_probes_a_few_sizes_and_the_generations_fill_in_the_rest(fol
     from speccli.autok.store import refine
 
     calls: list[tuple[list[int], int]] = []
-    probe = CostCurve({1: 0.1, 2: 0.12, 3: 0.13, 5: 0.15, 8: 0.2}, 0.01)
+    probe = CostCurve({1: 0.1, 2: 0.12, 4: 0.14, 8: 0.2}, 0.01)
 
     def measure(target, draft, max_fed, repeats=ROUNDS, sizes=None, **kwargs):
         calls.append((sizes, repeats))
@@ -501,22 +501,22 @@ def test_a_first_run_probes_a_few_sizes_and_the_generations_fill_in_the_rest(fol
     pipeline = pipeline_for(folders)
     messages: list[str] = []
     costs = calibrate(pipeline, max_k=7, progress=messages.append, cache_dir=tmp_path)
-    assert calls == [([1, 2, 3, 5, 8], 2)] and costs == probe
-    assert messages[0] == ("calibrating: timing target passes over 1, 2, 3, 5, 8 tokens and one draft token"
+    assert calls == [([1, 2, 4, 8], 1)] and costs == probe
+    assert messages[0] == ("calibrating: timing target passes over 1, 2, 4, 8 tokens and one draft token"
                            " (a few seconds; the other sizes are learned from the passes generating runs)")
     path = calibration_path(calibration_identity(pipeline, 8), tmp_path)
-    assert json.loads(path.read_text())["samples"] == {"1": 2, "2": 2, "3": 2, "5": 2, "8": 2}
+    assert json.loads(path.read_text())["samples"] == {"1": 1, "2": 1, "4": 1, "8": 1}
 
     # A generation's passes are merged in: a probed size by its share of the passes, a new one as measured.
     decoder = pipeline.decoder
     for seconds in (0.3, 0.3, 0.4):
-        decoder.pass_times.record(5, seconds)
-    decoder.pass_times.record(4, 0.14)
+        decoder.pass_times.record(4, seconds)
+    decoder.pass_times.record(5, 0.15)
     assert refine(pipeline, 7, tmp_path) is True
     saved = json.loads(path.read_text())
-    assert saved["costs"]["verify_seconds"]["5"] == pytest.approx((0.15 * 2 + 0.3 * 3) / 5)
-    assert saved["costs"]["verify_seconds"]["4"] == pytest.approx(0.14)
-    assert saved["samples"] == {"1": 2, "2": 2, "3": 2, "4": 1, "5": 5, "8": 2}
+    assert saved["costs"]["verify_seconds"]["4"] == pytest.approx((0.14 * 1 + 0.3 * 3) / 4)
+    assert saved["costs"]["verify_seconds"]["5"] == pytest.approx(0.15)
+    assert saved["samples"] == {"1": 1, "2": 1, "4": 4, "5": 1, "8": 1}
     assert decoder.pass_times.seconds == {}  # merged once, not again after the next generation
 
     # Once every size rests on ROUNDS passes the table is complete, and no longer refined.
@@ -529,7 +529,7 @@ def test_a_first_run_probes_a_few_sizes_and_the_generations_fill_in_the_rest(fol
     assert refine(pipeline, 7, tmp_path) is False
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
     assert calibrate(pipeline_for(folders), max_k=7, cache_dir=tmp_path).verify_seconds[1] == pytest.approx(
-        (0.1 * 2 + 0.11 * ROUNDS) / (2 + ROUNDS))
+        (0.1 * 1 + 0.11 * ROUNDS) / (1 + ROUNDS))
 
 
 def test_a_table_still_filling_in_is_refined_not_dropped_after_a_generation(folders, tmp_path, monkeypatch):

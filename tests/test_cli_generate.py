@@ -256,7 +256,7 @@ def test_auto_k_calibrates_once_per_pair_and_recalibrates_on_request(folders, tm
     args = ("generate", "abc", *model_args(folders), "-n", "8")
     first = specgen(*args, env=env)
     assert first.returncode == 0, first.stderr.decode()
-    assert "calibrating: timing target passes over 1, 2, 3, 5, 9, 17 tokens and one draft token" in first.stderr.decode()
+    assert "calibrating: timing target passes over 1, 2, 4, 8, 17 tokens and one draft token" in first.stderr.decode()
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
     second = specgen(*args, env=env)
     assert second.returncode == 0 and "calibrat" not in second.stderr.decode()

@@ -94,7 +94,7 @@ def test_damaged_files_are_refused_with_the_reason(quantized_gguf, tmp_path):
         gguf_file.read_header(truncated)
     cut_header = tmp_path / "cut.gguf"
     cut_header.write_bytes(quantized_gguf.read_bytes()[:200])
-    with pytest.raises(gguf_file.GgufFormatError, match="ends inside its header"):
+    with pytest.raises(gguf_file.GgufFormatError, match="ends inside its header|runs past the end of the file"):
         gguf_file.read_header(cut_header)
     not_gguf = tmp_path / "model.gguf"
     not_gguf.write_bytes(b"PK\x03\x04" + bytes(100))

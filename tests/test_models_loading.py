@@ -344,7 +344,7 @@ def test_load_gguf_file(tiny_gguf_file, cache, monkeypatch):
 
     # The converted tokenizer is kept: the second load does not convert again.
     saved = list((cache / "tokenizers").iterdir())
-    assert len(saved) == 1 and saved[0].name.startswith("tiny.F32-")
+    assert len(saved) == 1 and saved[0].name.startswith("llama-")
     calls = _recorders(monkeypatch)
     messages.clear()
     again = load_model(str(path), LoadConfig(device="cpu", dtype="bfloat16"), messages.append, cache)
@@ -361,14 +361,15 @@ def test_load_gguf_file(tiny_gguf_file, cache, monkeypatch):
     assert again.tokenizer.eos_token == loaded.tokenizer.eos_token in ("</s>", "<s>")
 
 
-def test_gguf_tokenizer_cache_follows_the_file(tiny_gguf_file, tmp_path, cache):
-    """A changed file (new mtime/size) gets a fresh conversion, not the stale tokenizer."""
+def test_gguf_tokenizer_cache_follows_the_tokenizer(tiny_gguf_file, tmp_path, cache):
+    """A file rewritten with another tokenizer gets a fresh conversion, not the stale tokenizer."""
     path = tmp_path / "copy.gguf"
     shutil.copy(tiny_gguf_file[0], path)
-    load_model(str(path), LoadConfig(device="cpu", dtype="float32"), cache_dir=cache)
-    write_tiny_gguf(path, seed=9)
-    load_model(str(path), LoadConfig(device="cpu", dtype="float32"), cache_dir=cache)
+    first = load_model(str(path), LoadConfig(device="cpu", dtype="float32"), cache_dir=cache)
+    write_tiny_gguf(path, seed=9, merges=("a b",))
+    second = load_model(str(path), LoadConfig(device="cpu", dtype="float32"), cache_dir=cache)
     assert len(list((cache / "tokenizers").iterdir())) == 2
+    assert first.tokenizer("abcd")["input_ids"] != second.tokenizer("abcd")["input_ids"]
 
 
 def test_gguf_cannot_be_requantized(tiny_gguf_file, cache, monkeypatch):
@@ -600,3 +601,24 @@ def test_end_of_generation_tokens_stop_whatever_the_config_names():
     tokenizer = _Obj(eos_token_id=151645, get_added_vocab=lambda: vocab)
     loaded = LoadedModel("m", ResolvedModel("local-folder", "/x", None, "x"), model, tokenizer, CPU, torch.float32, "none", 0.0)
     assert loaded.eos_token_ids == [151645, 151643]
+
+
+def test_gguf_files_with_one_tokenizer_share_its_conversion_but_not_the_chat_template(tmp_path, cache, monkeypatch):
+    from speccli.models.loading import load_tokenizer
+
+    first, second, other = tmp_path / "target.gguf", tmp_path / "draft.gguf", tmp_path / "other.gguf"
+    write_tiny_gguf(first, seed=1, chat_template="{{ 'target' }}")
+    write_tiny_gguf(second, seed=2, chat_template="{{ 'draft' }}")  # other weights, the same vocabulary
+    write_tiny_gguf(other, seed=2)
+    config = LoadConfig(device="cpu", dtype="float32")
+    messages = []
+    target = load_tokenizer(str(first), config, messages.append, cache)
+    assert sum("converting the tokenizer" in m for m in messages) == 1
+    calls = _recorders(monkeypatch)
+    messages.clear()
+    draft = load_tokenizer(str(second), config, messages.append, cache)
+    assert not any("converting" in m for m in messages)
+    assert [(kind, "gguf_file" in kw) for kind, _, kw in calls] == [("tokenizer", False)]  # the kept one
+    assert (target.tokenizer.chat_template, draft.tokenizer.chat_template) == ("{{ 'target' }}", "{{ 'draft' }}")
+    assert draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+    assert load_tokenizer(str(other), config, cache_dir=cache).tokenizer.chat_template is None

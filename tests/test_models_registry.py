@@ -36,7 +36,14 @@ def _permute(w: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, seed: int = 3, hidden: int = 64, block_types: tuple[str, ...] = ()):
+def write_tiny_gguf(
+    path: Path,
+    seed: int = 3,
+    hidden: int = 64,
+    block_types: tuple[str, ...] = (),
+    chat_template: str | None = None,
+    merges: tuple[str, ...] = ("a b", "c d"),
+):
     """Write a random tiny Llama as a GGUF and return the source model. F32 (lossless) unless
     ``block_types`` names ggml types ("Q8_0", "Q5_0", ...) that the matrices take in turn."""
     import gguf
@@ -71,10 +78,12 @@ def write_tiny_gguf(path: Path, seed: int = 3, hidden: int = 64, block_types: tu
     writer.add_tokenizer_pre("default")
     writer.add_token_list(GGUF_TOKENS)
     writer.add_token_types([3, 3, 3] + [1] * (len(GGUF_TOKENS) - 3))
-    writer.add_token_merges(["a b", "c d"])
+    writer.add_token_merges(list(merges))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     add_tensor("output_norm.weight", sd["model.norm.weight"])

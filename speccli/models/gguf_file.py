@@ -87,15 +87,19 @@ class _Cursor:
         self.pos += struct.calcsize(fmt)
         return values[0] if len(values) == 1 else values
 
+    def skip(self, length: int) -> None:
+        if length > len(self.data) - self.pos:
+            raise GgufFormatError(f"a header entry at byte {self.pos} runs past the end of the file")
+        self.pos += length
+
     def string(self) -> str:
         length = self.unpack("<Q")
-        text = bytes(self.data[self.pos : self.pos + length]).decode("utf-8", errors="replace")
-        self.pos += length
-        return text
+        start = self.pos
+        self.skip(length)
+        return bytes(self.data[start : self.pos]).decode("utf-8", errors="replace")
 
     def skip_string(self) -> None:
-        length = self.unpack("<Q")
-        self.pos += length
+        self.skip(self.unpack("<Q"))
 
     def value(self, value_type: int) -> Any:
         if value_type in _SCALAR_FORMATS:
@@ -105,7 +109,7 @@ class _Cursor:
         if value_type == _ARRAY:
             element_type, count = self.unpack("<IQ")
             if element_type in _SCALAR_FORMATS:
-                self.pos += count * struct.calcsize(_SCALAR_FORMATS[element_type])
+                self.skip(count * struct.calcsize(_SCALAR_FORMATS[element_type]))
             elif element_type == _STRING:
                 for _ in range(count):
                     self.skip_string()

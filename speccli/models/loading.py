@@ -541,31 +541,43 @@ def _from_pretrained(fn: Callable[..., Any], resolved: ResolvedModel, kwargs: di
     return fn(resolved.location, **kwargs)
 
 
-def _tokenizer_cache_folder(resolved: ResolvedModel, cache_dir: Path) -> Path | None:
+def _tokenizer_cache_folder(resolved: ResolvedModel, cache_dir: Path) -> tuple[Path, str | None] | None:
+    """Where a GGUF's converted tokenizer is kept, and the file's chat template. The folder is
+    keyed by what the conversion reads (the architecture and every `tokenizer.ggml.*` entry) and
+    the transformers version, not by the file: a draft and target of one family share it, the
+    chat template (which may differ between them) set on the loaded tokenizer afterwards.
+    None for a file that cannot be read (its load will say why)."""
     import transformers
+
+    from speccli.models.gguf_file import GgufFormatError, read_header
 
     path = resolved.gguf_path
     try:
-        st = path.stat() if path is not None else None
-    except OSError:
+        header = read_header(path) if path is not None else None
+    except (OSError, GgufFormatError):
         return None
-    if st is None:
+    if header is None:
         return None
-    key = f"{transformers.__version__}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
+    key = f"{transformers.__version__}\0{header.architecture}\0{header.digest('tokenizer.ggml.')}"
     digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:24]
-    return cache_dir / "tokenizers" / f"{path.stem}-{digest}"
+    template = header.metadata.get("tokenizer.chat_template")
+    return cache_dir / "tokenizers" / f"{header.architecture}-{digest}", template if isinstance(template, str) else None
 
 
 def _load_gguf_tokenizer(resolved: ResolvedModel, cache_dir: Path, say: Progress) -> Any:
     """Convert the GGUF's tokenizer once; later loads read the saved tokenizer.json."""
     from transformers import AutoTokenizer
 
-    folder = _tokenizer_cache_folder(resolved, cache_dir)
-    if folder is not None and (folder / "tokenizer_config.json").is_file():
+    kept = _tokenizer_cache_folder(resolved, cache_dir)
+    folder = kept[0] if kept is not None else None
+    if kept is not None and (folder / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(folder)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
         except Exception:
             shutil.rmtree(folder, ignore_errors=True)
+        else:
+            tokenizer.chat_template = kept[1]
+            return tokenizer
     say(f"converting the tokenizer in {resolved.gguf_file} (once; it is kept in {cache_dir / 'tokenizers'})")
     from speccli.models.gguf_weights import share_metadata_parse
 
