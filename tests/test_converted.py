@@ -182,7 +182,7 @@ def test_models_lists_and_removes_conversions(gguf_file, cache, monkeypatch):
 
 def test_the_conversion_is_kept_beside_the_rest_of_the_start(gguf_file, cache, monkeypatch):
     """The load returns while the conversion is still being written; an int8 draft is
-    quantized from a copy, so what is kept is the float32 dequantization."""
+    quantized meanwhile, and what is kept is still the float32 dequantization."""
     import threading
 
     path, source = gguf_file

@@ -32,14 +32,13 @@ def int8_problem() -> str | None:
     return None
 
 
-def quantize_int8(model: torch.nn.Module, inplace: bool = True) -> torch.nn.Module:
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     """Replace every nn.Linear of a float32 model on the CPU with a dynamically quantized
-    int8 one (per-tensor weights, activations quantized per call). Returns the model, or
-    a quantized copy of it when not ``inplace``."""
+    int8 one (per-tensor weights, activations quantized per call). Returns the model."""
     from torch.ao.quantization import quantize_dynamic
 
     with warnings.catch_warnings():
         # PyTorch announces that torch.ao.quantization will move to torchao; torchao's
         # CPU path is several times slower without torch.compile, so this stays for now.
         warnings.simplefilter("ignore")
-        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=inplace)
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)

@@ -751,8 +751,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
             model = model.to(device)
         if quant == "int8":
             say(f"quantizing {name} to int8 (dynamic, for the CPU)")
-            # A copy while the float32 weights are being kept (a thread still reads them).
-            model = quantize_int8(model, inplace=conversion is None or kept is not None)
+            model = quantize_int8(model)
     model.eval()
     linear = "stock"
     stock_rows: dict[str, int] = {}
@@ -834,10 +833,14 @@ def _keep_conversion(model: Any, cache: Path, conversion: dict[str, Any], name: 
     before it exits (see finish_conversions). A failure (a full disk, a read-only cache) costs
     only the next start's time; a write cut short leaves no entry (converted.store)."""
 
+    # The tensors are taken now: an int8 draft's linear layers are replaced while the thread
+    # writes, and the float32 weights it writes stay alive and unchanged in this dict.
+    tensors = model.state_dict()
+
     # Nothing is said when it is done: by then the answer may be streaming to the terminal.
     def keep() -> None:
         try:
-            converted.store(cache, conversion, lambda target: model.save_pretrained(target))
+            converted.store(cache, conversion, lambda target: model.save_pretrained(target, state_dict=tensors))
         except OSError as error:
             say(f"{name}: could not keep the converted weights ({error}); the next start converts again")
 
