@@ -25,6 +25,28 @@ def test_this_pytorch_can_quantize_to_int8():
     assert int8_problem() is None
 
 
+def test_quantize_int8_gives_what_torchs_quantize_dynamic_gives(pairs):
+    import copy
+
+    from torch.ao.quantization import quantize_dynamic
+
+    source = pairs[0].draft
+    ours = quantize_int8(copy.deepcopy(source))
+    theirs = quantize_dynamic(copy.deepcopy(source), {torch.nn.Linear}, dtype=torch.qint8, inplace=False)
+    mine = {name: type(module) for name, module in ours.named_modules()}
+    assert mine == {name: type(module) for name, module in theirs.named_modules()}
+    assert torch.nn.Linear not in mine.values()
+    for name, module in ours.named_modules():
+        if hasattr(module, "weight") and callable(module.weight):
+            other = dict(theirs.named_modules())[name]
+            assert (module.in_features, module.out_features) == (other.in_features, other.out_features)
+            assert torch.equal(module.weight().int_repr(), other.weight().int_repr()), name
+            assert module.weight().q_scale() == other.weight().q_scale()
+    ids = torch.tensor([[5, 6, 7, 8, 3]])
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
 def test_auto_quantizes_drafts_on_the_cpu_only():
     assert choose_quant("auto", CPU, draft=True) == "int8"
     assert choose_quant("auto", CPU) == "none"  # a target stays as it is

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -34,11 +35,40 @@ def int8_problem() -> str | None:
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     """Replace every nn.Linear of a float32 model on the CPU with a dynamically quantized
-    int8 one (per-tensor weights, activations quantized per call). Returns the model."""
-    from torch.ao.quantization import quantize_dynamic
+    int8 one (per-tensor weights, activations quantized per call). Returns the model.
 
+    The same modules as ``torch.ao.quantization.quantize_dynamic`` gives, about 2.5x faster
+    (4.0 s -> 1.5 s for the 0.5B draft on a 2-core Xeon): its modules pack an empty matrix
+    of the full size before the real one (half its time), and packing runs in C++ without
+    the GIL, so the layers are quantized on a thread per core."""
+    linears = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear
+    ]
     with warnings.catch_warnings():
         # PyTorch announces that torch.ao.quantization will move to torchao; torchao's
         # CPU path is several times slower without torch.compile, so this stays for now.
         warnings.simplefilter("ignore")
-        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+            quantized = list(pool.map(lambda place: _dynamic_int8(place[2]), linears))
+    for (parent, name, _), module in zip(linears, quantized):
+        setattr(parent, name, module)
+    return model
+
+
+def _dynamic_int8(linear: torch.nn.Linear) -> torch.nn.Module:
+    """``torch.ao.nn.quantized.dynamic.Linear.from_float(linear)`` with the default dynamic
+    qconfig, without packing a full-size empty matrix first."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+    from torch.ao.nn.quantized.modules.utils import _quantize_weight
+    from torch.ao.quantization.qconfig import default_dynamic_qconfig
+
+    observer = default_dynamic_qconfig.weight()
+    observer(linear.weight)
+    weight = _quantize_weight(linear.weight.float(), observer)
+    module = DynamicLinear(1, 1, bias_=linear.bias is not None, dtype=torch.qint8)
+    module.in_features, module.out_features = linear.in_features, linear.out_features
+    module.set_weight_bias(weight, linear.bias)
+    return module
