@@ -188,6 +188,7 @@ def test_two_rows_are_judged_on_the_shape_that_holds_most_parameters(monkeypatch
 def test_the_latest_loads_ratios_decide_together(monkeypatch, tmp_path):
     model = tiny_llama(60, seed=3).to(torch.bfloat16)
     monkeypatch.setattr(onednn, "MIN_JUDGED_WEIGHT", 0)
+    monkeypatch.setattr(onednn, "REMEMBERED_RATIOS", 7)  # the rule for several loads (by default the first decides)
     measured = iter([0.85, 0.86, 0.84, 0.97, 0.99, 0.98, 0.99, 0.80])
     monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: next(measured))
     decisions = [two_rows_pay(model, tmp_path, "CPU A") for _ in range(8)]
@@ -275,7 +276,7 @@ def test_stock_rows_are_those_below_the_first_count_where_onednn_is_as_fast(monk
     assert onednn.stock_rows_below(weights, rounds=3, clock=kernels.clock) == onednn.MAX_STOCK_ROWS + 1
 
 
-def test_each_weight_shape_keeps_its_own_stock_rows_and_the_latest_loads_decide(monkeypatch, tmp_path):
+def test_each_weight_shape_keeps_its_own_stock_rows_and_the_first_load_decides(monkeypatch, tmp_path):
     model = tiny_llama(60, seed=3)  # q/o 32x32, gate/up 64x32, down 32x64, head 60x32
     set_onednn_linear(model)
     monkeypatch.setattr(onednn, "stock_rows_below", lambda weights: pytest.fail("timed a product too small to judge"))
@@ -292,10 +293,12 @@ def test_each_weight_shape_keeps_its_own_stock_rows_and_the_latest_loads_decide(
     assert model.model.layers[0].mlp.up_proj.stock_below == 4 and model.model.layers[1].mlp.down_proj.stock_below == 2
     assert model.model.layers[0].self_attn.q_proj.stock_below == 1  # too small: oneDNN's
     assert timed == [4, 2]  # every layer of the shape: gate and up in both layers; down in both
-    # The next load's finding joins the first's: the lower median of the two.
-    assert onednn.choose_stock_rows(model, tmp_path, "CPU A") == {(64, 32): 3, (32, 64): 2}
+    # The first load's findings stand: the next load times nothing.
+    monkeypatch.setattr(onednn, "stock_rows_below", lambda weights: pytest.fail("timed again"))
+    assert onednn.choose_stock_rows(model, tmp_path, "CPU A", progress=said.append) == {(64, 32): 4, (32, 64): 2}
+    assert len(said) == 1
     history = onednn.kernel_history(tmp_path, "stock-rows", "CPU A", (64, 32))
-    assert json.loads(history.read_text())["stock_below"] == [4, 3]
+    assert json.loads(history.read_text())["stock_below"] == [4]
     assert onednn.kernel_history(tmp_path, "stock-rows", "CPU B", (64, 32)) != history
 
 

@@ -189,7 +189,11 @@ def row_pair_ratio(weight: torch.Tensor, rounds: int = 9, calls: int = 4, clock=
     return statistics.median(two / one if one > 0 else 1.0 for one, two in pairs)
 
 
-REMEMBERED_RATIOS = 7  # the latest loads' row-pair ratios that decide together
+# How many loads' row-pair ratios decide together. One: the first load's timing stands, so no
+# later start times anything (with seven, each of the first seven bfloat16 starts timed), and
+# a decision never flips between runs; the cost is that an unlucky first timing stays until
+# the kernels folder of the cache is removed.
+REMEMBERED_RATIOS = 1
 
 
 def two_rows_pay(model: torch.nn.Module, history_dir: Path | None = None, machine: str = "") -> bool:
@@ -197,11 +201,10 @@ def two_rows_pay(model: torch.nn.Module, history_dir: Path | None = None, machin
     measured on the weight shape that holds most of its linear parameters.
 
     With `history_dir`, the ratio joins those of the latest loads on this `machine` (its
-    CPU's name), torch build, thread count and weight shape, and their median decides: one
-    load's timing on a shared VM is not stable enough (now and then a load times two rows
-    no faster than one on a CPU where they usually are clearly faster), and a flip changes
-    both the speed and bfloat16's rounding from one run to the next. Once REMEMBERED_RATIOS
-    loads have timed it, their median stands and later loads do not time it again."""
+    CPU's name), torch build, thread count and weight shape, and the median of the latest
+    REMEMBERED_RATIOS decides; once that many loads have timed it, it stands and later loads
+    do not time it again: a flip would change both the speed and bfloat16's rounding from
+    one run to the next."""
     layers = _bfloat16_cpu_linears(model)
     if not layers:
         return False
@@ -255,7 +258,10 @@ MAX_STOCK_ROWS = 8  # row counts judged: a decode step's passes; prompts go to o
 # weights such as a 1.5B model's key and value projections (256 x 1536) can still be clearly
 # faster with PyTorch's kernel for the fewest rows, and a pass runs dozens of them.
 MIN_TIMED_FLOAT32_WEIGHT = 1 << 18
-REMEMBERED_STOCK_ROWS = 7  # the latest loads' findings that decide together
+# How many loads' findings decide together (their lower median). One, as for REMEMBERED_RATIOS:
+# with seven, each of the first seven float32 starts of the default pair spent 13-20 s timing
+# (later starts of 26-35 s where they take 11 s, with the CPU limited to AVX2).
+REMEMBERED_STOCK_ROWS = 1
 
 
 def stock_rows_below(weights: Sequence[torch.Tensor], max_rows: int = MAX_STOCK_ROWS, rounds: int = 3,
@@ -299,11 +305,12 @@ def choose_stock_rows(model: torch.nn.Module, history_dir: Path | None = None, m
     `stock_below` to it. Shapes too small to judge (MIN_TIMED_FLOAT32_WEIGHT) stay oneDNN's.
 
     With `history_dir`, each shape's finding joins those of the latest loads on this
-    `machine`, torch build and thread count, and their median decides: a shape near the
-    crossing (two kernels even at 4 rows) must not flip from load to load, each flip
-    changing float32's rounding in passes of that size. Once REMEMBERED_STOCK_ROWS loads
-    have timed a shape, their median stands and later loads do not time it again. `progress` hears of the timing before
-    it starts (nothing where no shape is large enough to time). Returns {shape: rows}."""
+    `machine`, torch build and thread count, and the lower median of the latest
+    REMEMBERED_STOCK_ROWS decides; once that many loads have timed a shape, it stands and
+    later loads do not time it again: a shape near the crossing (two kernels even at 4 rows)
+    must not flip from load to load, each flip changing float32's rounding in passes of that
+    size. `progress` hears of the timing before it starts (nothing where no shape is large
+    enough to time). Returns {shape: rows}."""
     layers = [module for module in model.modules() if type(module) is OneDnnLinear]
     weights: dict[tuple[int, int], list[torch.Tensor]] = {}
     for module in layers:
