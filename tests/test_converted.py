@@ -201,3 +201,15 @@ def test_the_conversion_is_kept_beside_the_rest_of_the_start(gguf_file, cache, m
     [entry] = converted.entries(cache)
     assert entry.dtype == "float32"
     assert weights_equal(AutoModelForCausalLM.from_pretrained(str(entry.folder)), source)
+
+
+def test_the_kernels_are_timed_before_the_conversion_is_written(gguf_file, cache, monkeypatch):
+    from speccli.models import loading
+
+    path, _ = gguf_file
+    order = []
+    real_choose, real_store = loading.choose_stock_rows, converted.store
+    monkeypatch.setattr(loading, "choose_stock_rows", lambda *a, **k: order.append("timed") or real_choose(*a, **k))
+    monkeypatch.setattr(converted, "store", lambda *a, **k: order.append("written") or real_store(*a, **k))
+    load_model(str(path), LoadConfig(device="cpu", dtype="float32", cpu_linear="auto"), cache_dir=cache)
+    assert order == ["timed", "written"]  # a writing thread would have slowed the timed kernels

@@ -347,3 +347,12 @@ def test_two_rows_are_timed_until_the_history_is_full(monkeypatch, tmp_path):
     assert [onednn.two_rows_pay(model, tmp_path, "CPU A") for _ in range(3)] == [True, False, True]
     monkeypatch.setattr(onednn, "row_pair_ratio", lambda weight: pytest.fail("timed a decided shape"))
     assert onednn.two_rows_pay(model, tmp_path, "CPU A") is True  # the median of 0.5, 1.5, 0.6
+
+
+def test_a_timing_reads_an_even_spread_of_layers_beyond_the_cache():
+    layers = [torch.zeros(256, 1024) for _ in range(28)]  # 1 MiB each
+    assert onednn.spread_layers(layers, budget=64 << 20) == layers  # they hold less: all of them
+    spread = onednn.spread_layers(layers, budget=7 << 20)
+    assert [next(i for i, w in enumerate(layers) if w is s) for s in spread] == [0, 4, 8, 12, 16, 20, 24]
+    assert len(onednn.spread_layers(layers, budget=(6 << 20) + 1)) == 7  # at least the budget
+    assert len(onednn.spread_layers(layers[:1], budget=1)) == 1

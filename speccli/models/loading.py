@@ -724,8 +724,9 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
     if quant != "none":
         _quiet_bitsandbytes()
     cache = pending.cache_dir or offline.default_cache_dir()
-    keep = resolved.is_gguf and config.keep_converted and not converted.disabled_by_environment()
-    conversion = converted.identity(resolved.gguf_path, dtype_name(dtype)) if keep else None
+    keeping = resolved.is_gguf and config.keep_converted and not converted.disabled_by_environment()
+    conversion = converted.identity(resolved.gguf_path, dtype_name(dtype)) if keeping else None
+    keep: Callable[[], None] = lambda: None  # noqa: E731  (starts writing the conversion, once)
     kept = converted.lookup(cache, conversion) if conversion is not None else None
     with _explaining(name, resolved, quant, device):
         if kept is not None:
@@ -746,10 +747,11 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
                     _model_kwargs(resolved, dtype, quant, device, config.trust_remote_code),
                 )
             if conversion is not None:
-                _keep_conversion(model, cache, conversion, name, say)
+                keep = _conversion_keeper(model, cache, conversion, name, say)
         if quant in ("none", "int8") and device.type != "cuda":
             model = model.to(device)
         if quant == "int8":
+            keep()  # the writer holds the float32 tensors; the layers are replaced meanwhile
             say(f"quantizing {name} to int8 (dynamic, for the CPU)")
             model = quantize_int8(model)
     model.eval()
@@ -763,6 +765,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
             stock_rows = {f"{rows}x{columns}": below for (rows, columns), below in sorted(chosen.items()) if below > 1}
         elif dtype == torch.bfloat16 and two_rows_pay(model, kernels, cpu_name()) and set_two_row_linear(model):
             linear = "two-row"
+    keep()  # after the kernels were timed: the writing thread would have slowed them down
 
     return LoadedModel(
         name=name,
@@ -827,27 +830,36 @@ def _converted_kwargs(dtype: torch.dtype, device: torch.device) -> dict[str, Any
 _keeping: list[threading.Thread] = []
 
 
-def _keep_conversion(model: Any, cache: Path, conversion: dict[str, Any], name: str, say: Progress) -> None:
-    """Write what the GGUF's dequantization produced for later starts, in a thread beside the
+def _conversion_keeper(
+    model: Any, cache: Path, conversion: dict[str, Any], name: str, say: Progress
+) -> Callable[[], None]:
+    """What starts writing the GGUF's dequantization for later starts, in a thread beside the
     rest of the start (the next model's load, the first tokens); the interpreter waits for it
     before it exits (see finish_conversions). A failure (a full disk, a read-only cache) costs
-    only the next start's time; a write cut short leaves no entry (converted.store)."""
-
-    # The tensors are taken now: an int8 draft's linear layers are replaced while the thread
-    # writes, and the float32 weights it writes stay alive and unchanged in this dict.
+    only the next start's time; a write cut short leaves no entry (converted.store). Calling
+    it again does nothing."""
+    # The tensors are taken now, before any layer is replaced (an int8 draft's while the
+    # thread writes, the kernels' after timing): the thread writes these, alive and unchanged.
     tensors = model.state_dict()
+    started: list[threading.Thread] = []
 
     # Nothing is said when it is done: by then the answer may be streaming to the terminal.
-    def keep() -> None:
+    def write() -> None:
         try:
             converted.store(cache, conversion, lambda target: model.save_pretrained(target, state_dict=tensors))
         except OSError as error:
             say(f"{name}: could not keep the converted weights ({error}); the next start converts again")
 
-    say(f"{name}: keeping the converted weights in {cache / converted.FOLDER} for later starts")
-    thread = threading.Thread(target=keep, name=f"specgen-keep-{name}")
-    _keeping.append(thread)
-    thread.start()
+    def start() -> None:
+        if started:
+            return
+        say(f"{name}: keeping the converted weights in {cache / converted.FOLDER} for later starts")
+        thread = threading.Thread(target=write, name=f"specgen-keep-{name}")
+        started.append(thread)
+        _keeping.append(thread)
+        thread.start()
+
+    return start
 
 
 def finish_conversions() -> None:

@@ -262,6 +262,18 @@ MIN_TIMED_FLOAT32_WEIGHT = 1 << 18
 # with seven, each of the first seven float32 starts of the default pair spent 13-20 s timing
 # (later starts of 26-35 s where they take 11 s, with the CPU limited to AVX2).
 REMEMBERED_STOCK_ROWS = 1
+# Bytes of weights one timing multiplies by: far beyond a CPU's last-level cache, so that each
+# timing reads its weights from memory as a pass does, without reading all of a large
+# model's layers 8 times for each row count (the 1.5B's gate and up projections: 3 GB).
+TIMED_WEIGHT_BYTES = 256 << 20
+
+
+def spread_layers(weights: Sequence[torch.Tensor], budget: int = TIMED_WEIGHT_BYTES) -> list[torch.Tensor]:
+    """Layers of one shape, evenly spread over the model, holding at least `budget` bytes
+    (all of them if they hold less)."""
+    each = weights[0].numel() * weights[0].element_size()
+    count = min(len(weights), max(1, -(-budget // each)))
+    return [weights[index * len(weights) // count] for index in range(count)]
 
 
 def stock_rows_below(weights: Sequence[torch.Tensor], max_rows: int = MAX_STOCK_ROWS, rounds: int = 3,
@@ -328,7 +340,7 @@ def choose_stock_rows(model: torch.nn.Module, history_dir: Path | None = None, m
     if timed and progress is not None:
         progress(f"timing float32 kernels by rows for {len(timed)} weight shapes (PyTorch's or oneDNN's)")
     for shape, same_shape in timed.items():
-        rows = stock_rows_below(same_shape)
+        rows = stock_rows_below(spread_layers(same_shape))
         if history_dir is not None:
             found = (remembered[shape] + [rows])[-REMEMBERED_STOCK_ROWS:]
             write_json(kernel_history(history_dir, "stock-rows", machine, shape), {"stock_below": found})
