@@ -23,10 +23,12 @@ import torch
 @functools.lru_cache(maxsize=None)
 def int8_problem() -> str | None:
     """None when this PyTorch can quantize linear layers dynamically to int8, else why not."""
-    try:
-        from torch.ao.quantization import quantize_dynamic  # noqa: F401
-    except ImportError as exc:  # removed in some future PyTorch (deprecated since 2.10)
-        return f"this PyTorch has no torch.ao.quantization.quantize_dynamic ({exc})"
+    try:  # what _dynamic_int8 uses; removed in some future PyTorch (deprecated since 2.10)
+        from torch.ao.nn.quantized.dynamic import Linear  # noqa: F401
+        from torch.ao.nn.quantized.modules.utils import _quantize_weight  # noqa: F401
+        from torch.ao.quantization.qconfig import default_dynamic_qconfig  # noqa: F401
+    except ImportError as exc:
+        return f"this PyTorch has no dynamic int8 linear layers in torch.ao ({exc})"
     engines = torch.backends.quantized.supported_engines
     if not any(engine in engines for engine in ("x86", "fbgemm", "onednn", "qnnpack")):
         return f"this PyTorch has no quantized CPU engine (supported: {engines})"
