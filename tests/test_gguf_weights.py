@@ -102,11 +102,17 @@ def test_damaged_files_are_refused_with_the_reason(quantized_gguf, tmp_path):
         gguf_file.read_header(not_gguf)
 
 
-def test_a_first_load_parses_the_metadata_once_for_tokenizer_and_config(tmp_path, monkeypatch):
+@pytest.mark.parametrize("config_from_header", [True, False], ids=["llama-from-header", "parsed"])
+def test_a_first_load_parses_the_metadata_once_for_tokenizer_and_config_or_not_at_all(
+    tmp_path, monkeypatch, config_from_header
+):
     from speccli.config import LoadConfig
+    from speccli.models import gguf_config
     from speccli.models.loading import load_model
 
-    path = tmp_path / "once.gguf"
+    if not config_from_header:
+        monkeypatch.setattr(gguf_config, "PLAIN_ARCHITECTURES", ())
+    path = tmp_path / f"once-{config_from_header}.gguf"
     write_tiny_gguf(path, seed=5)
     parses = []
     real = gguf.GGUFReader
@@ -114,4 +120,4 @@ def test_a_first_load_parses_the_metadata_once_for_tokenizer_and_config(tmp_path
     messages = []
     load_model(str(path), LoadConfig(device="cpu", dtype="float32"), messages.append, tmp_path / "cache")
     assert any("converting the tokenizer" in m for m in messages) and any("dequantized in" in m for m in messages)
-    assert len(parses) == 1
+    assert len(parses) == (0 if config_from_header else 1)

@@ -59,6 +59,7 @@ class GgufHeader:
     metadata: dict[str, Any]  # scalars and strings; an array as its element count
     spans: dict[str, tuple[int, int]]  # each metadata entry's bytes in the file, [start, end)
     tensors: tuple[GgufTensor, ...]
+    arrays: frozenset[str] = frozenset()  # the metadata keys whose value is an array
 
     @property
     def architecture(self) -> str:
@@ -145,11 +146,15 @@ def read_header(path: Path | str) -> GgufHeader:
                 raise GgufFormatError(f"{path.name} is GGUF version {version}; this reader knows versions 2 and 3")
             metadata: dict[str, Any] = {}
             spans: dict[str, tuple[int, int]] = {}
+            arrays = set()
             for _ in range(metadata_count):
                 key = cursor.string()
                 start = cursor.pos
-                metadata[key] = cursor.value(cursor.unpack("<I"))
+                value_type = cursor.unpack("<I")
+                metadata[key] = cursor.value(value_type)
                 spans[key] = (start, cursor.pos)
+                if value_type == _ARRAY:
+                    arrays.add(key)
             table = []
             for _ in range(tensor_count):
                 name = cursor.string()
@@ -168,4 +173,4 @@ def read_header(path: Path | str) -> GgufHeader:
             if tensor.start + tensor.nbytes > len(data):
                 raise GgufFormatError(f"{path.name} is truncated: tensor {name} ends past the end of the file")
             tensors.append(tensor)
-    return GgufHeader(path, version, metadata, spans, tuple(tensors))
+    return GgufHeader(path, version, metadata, spans, tuple(tensors), frozenset(arrays))

@@ -25,6 +25,7 @@ import gguf
 import numpy as np
 import torch
 
+from speccli.models.gguf_config import config_dict
 from speccli.models.gguf_file import GgufHeader, GgufTensor, read_header
 
 TensorProgress = Callable[[int, int], None]  # (tensors done, tensors in all)
@@ -170,13 +171,31 @@ def _convert(
 _parse_lock = threading.Lock()
 
 
+class _ConfigFirst(dict):
+    """``load_gguf_checkpoint``'s result with only its config, built from the header (see
+    gguf_config): transformers' callers read nothing else. Any other part, asked for with
+    ``result[key]``, runs the full parse then."""
+
+    def __init__(self, config: dict[str, Any], parse_all: Any) -> None:
+        super().__init__(config=config)
+        self.parse_all = parse_all
+
+    def __missing__(self, key: str) -> Any:
+        for name, value in self.parse_all().items():
+            self.setdefault(name, value)
+        if key not in self:
+            raise KeyError(key)
+        return self[key]
+
+
 def share_metadata_parse() -> None:
     """Make transformers parse a GGUF file's metadata once per process instead of once for
     the tokenizer's conversion and again for the config (`load_gguf_checkpoint` without
-    tensors, through the `gguf` package's reader: 7-11 s for a Qwen file on the 2-core CPUs).
-    The parse is kept by the file's path, size and modification time; every caller gets its
-    own copy of the config it may change. Idempotent; nothing happens if transformers no
-    longer has the function."""
+    tensors, through the `gguf` package's reader: 7-11 s for a Qwen file on the 2-core CPUs),
+    and for the architectures gguf_config covers, not at all: their config is built from the
+    header. Kept by the file's path, size and modification time; every caller gets its own
+    copy of the config it may change. Idempotent; nothing happens if transformers no longer
+    has the function."""
     try:
         from transformers import modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:
@@ -188,6 +207,12 @@ def share_metadata_parse() -> None:
 
         @functools.lru_cache(maxsize=4)
         def parsed(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
+            try:
+                config = config_dict(read_header(path))
+            except (OSError, ValueError):
+                config = None  # the slow parse says what is wrong
+            if config is not None:
+                return _ConfigFirst(config, lambda: parse(path, return_tensors=False))
             return parse(path, return_tensors=False)
 
         @functools.wraps(parse)
@@ -196,6 +221,8 @@ def share_metadata_parse() -> None:
                 return parse(gguf_checkpoint_path, return_tensors, model_to_load, torch_dtype)
             stat = os.stat(gguf_checkpoint_path)
             result = parsed(os.path.realpath(gguf_checkpoint_path), stat.st_size, stat.st_mtime_ns)
+            if isinstance(result, _ConfigFirst):
+                return _ConfigFirst(copy.deepcopy(result["config"]), result.parse_all)
             return {**result, "config": copy.deepcopy(result["config"])}
 
         shared._specgen_shared = True  # type: ignore[attr-defined]
