@@ -128,12 +128,21 @@ def store(cache_dir: Path, ident: dict[str, Any], save: Callable[[Path], None]) 
         files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
         entry = {"identity": ident, "files": files, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
         (partial / ENTRY_FILE).write_text(json.dumps(entry, indent=2))
+        _flush(partial)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return final
+
+
+def _flush(folder: Path) -> None:
+    """Wait until the folder's files are on disk before the entry is renamed into place: an
+    entry must not name files a crash (a power cut) would leave empty."""
+    for path in folder.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
 
 
 def _remove_stale_partials(root: Path) -> None:
