@@ -12,6 +12,7 @@ come from the `gguf` package's table, so every type it knows has a size here.
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -126,10 +127,7 @@ def tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
         block_elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
         raise GgufFormatError(f"unknown ggml tensor type {ggml_type} (newer than the installed gguf package?)") from None
-    elements = 1
-    for size in shape:
-        elements *= size
-    return elements // block_elements * block_bytes
+    return math.prod(shape) // block_elements * block_bytes
 
 
 def read_header(path: Path | str) -> GgufHeader:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import mmap
 import os
 import threading
@@ -90,19 +91,12 @@ def dequantize(data: mmap.mmap, tensor: GgufTensor, torch_types: set[int]) -> np
             values = torch_dequantize(raw, tensor.ggml_type, torch.float32)
         return values.reshape(tensor.shape).numpy()
     if tensor.ggml_type in _FLOAT_TYPES:
-        values = np.frombuffer(data, dtype=_FLOAT_TYPES[tensor.ggml_type], count=_elements(tensor), offset=tensor.start)
+        values = np.frombuffer(data, dtype=_FLOAT_TYPES[tensor.ggml_type], count=math.prod(tensor.shape), offset=tensor.start)
         return values.reshape(tensor.shape).astype(np.float32)  # a copy, out of the mapping
     block_elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.ggml_type)]
     raw_shape = (*tensor.shape[:-1], tensor.shape[-1] // block_elements * block_bytes)
     raw = np.frombuffer(data, dtype=np.uint8, count=tensor.nbytes, offset=tensor.start).reshape(raw_shape)
     return gguf.dequantize(raw, gguf.GGMLQuantizationType(tensor.ggml_type))
-
-
-def _elements(tensor: GgufTensor) -> int:
-    count = 1
-    for size in tensor.shape:
-        count *= size
-    return count
 
 
 def state_dict(
