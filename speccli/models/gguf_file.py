@@ -11,6 +11,7 @@ come from the `gguf` package's table, so every type it knows has a size here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import mmap
@@ -131,8 +132,17 @@ def tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
 
 
 def read_header(path: Path | str) -> GgufHeader:
-    """Parse ``path``'s metadata and tensor table. Raises GgufFormatError (a ValueError)."""
+    """Parse ``path``'s metadata and tensor table. Raises GgufFormatError (a ValueError).
+
+    A first load reads a file's header for its tokenizer, its config and its weights: it is
+    parsed once per process while the file keeps its size and modification time."""
     path = Path(path)
+    stat = path.stat()
+    return _read_header(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_header(path: Path, size: int, mtime_ns: int) -> GgufHeader:
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
         cursor = _Cursor(data)
         try:
