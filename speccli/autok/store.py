@@ -49,8 +49,8 @@ class LoadedPair(Protocol):
 PROBE_SIZES = (1, 2, 4, 8)  # and the largest: what a first run times before generating
 PROBE_ROUNDS = 1
 
-# 4: 8 rounds (a table without "samples" is a full one); 3: 3 rounds of each size's median ratio to a one-token pass timed just before
-# it; 2: the fastest round; 1: the median
+# 4: 8 rounds (a table without "samples" is a full one); 3: 3 rounds of each size's median
+# ratio to a one-token pass timed just before it; 2: the fastest round; 1: the median
 FORMAT = 4
 PROGRESS_EVERY = 20.0  # seconds between the calibration's progress lines, after the first
 
