@@ -194,7 +194,9 @@ def test_the_conversion_is_kept_beside_the_rest_of_the_start(gguf_file, cache, m
         return real_store(*args, **kwargs)
 
     monkeypatch.setattr(converted, "store", slow_store)
-    draft = load_model_alone(str(path), LoadConfig(device="cpu", dtype="auto", for_draft=True), cache_dir=cache)
+    # backend transformers: where llama-cpp-python is installed, auto would run the file there.
+    as_draft = LoadConfig(device="cpu", dtype="auto", for_draft=True, backend="transformers")
+    draft = load_model_alone(str(path), as_draft, cache_dir=cache)
     assert draft.quant == "gguf→int8" and converted.entries(cache) == []  # returned before the write
     release.set()
     finish_conversions()
