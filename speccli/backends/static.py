@@ -13,19 +13,20 @@ preallocated (static) KV cache, and input buffers that are refilled in place.
   a longer context is asked for, is re-created twice as large (up to the model's context),
   keeping what it holds; graphs captured over the old one are dropped and captured again.
   4096 tokens of a Qwen2.5-7B cache in bf16 are 235 MB; its whole 32k context would be
-  1.9 GB, and every pass attends over the whole capacity (masked), so sizing to the
-  context up front would cost memory and time for nothing.
+  1.9 GB, so sizing to the context up front would cost memory for nothing.
 * `forward(ids)` writes at the current position: the cache's layers append at their write
   position (`StaticLayer.cumulative_length`, a tensor on the device), the positions are
-  passed explicitly, and the attention mask is a 4-D additive mask over the whole capacity
-  that hides every slot past each query's position.
+  passed explicitly, and the attention mask is a 4-D additive mask that hides every slot
+  past each query's position. Its width is the pass's window: for an SDPA model the
+  smallest context bucket that holds the context (speccli.backends.attention, which also
+  runs grouped-query heads without copying keys and values), else the whole capacity.
 * `rollback(length)` only moves every layer's write position back (one device op, no
   sync): entries past it are hidden by the mask and overwritten by the next forward.
   Nothing is copied, nothing is prefilled again.
 * Prompts (anything longer than the largest graphed size) run eagerly in chunks.
-* On CUDA with graphs on, each fed size 1..`max_fed` is captured once as a CUDA graph over
-  static buffers (input ids, positions; the mask is computed inside the graph from the
-  positions) after a warm-up on a side stream, as PyTorch documents, and replayed from then
+* On CUDA with graphs on, each fed size 1..`max_fed` is captured once per window as a CUDA
+  graph over static buffers (input ids, positions; the mask is computed inside the graph
+  from the positions) after a warm-up on a side stream, as PyTorch documents, and replayed from then
   on. The one-token draft step is size 1. Tree passes (token trees, lookahead) get their
   own graph per fed size, whose 4-D mask is read from a static buffer: a tree's mask does
   not follow from its positions. All graphs share one memory pool: they are only ever
@@ -43,6 +44,7 @@ from typing import Sequence
 
 import torch
 
+from speccli.backends.attention import WINDOW_SDPA, pack_mask, query_groups, use_windowed_attention, window_for
 from speccli.backends.base import check_tree_pass
 from speccli.backends.hf import TransformersLM
 
@@ -51,7 +53,7 @@ DEFAULT_CAPACITY = 4096
 # pending token, the nodes and the window: 32 covers them. Sizes are captured on first use.
 DEFAULT_MAX_FED = 32
 PREFILL_CHUNK = 512
-SUPPORTED_ATTENTION = ("sdpa", "eager")
+SUPPORTED_ATTENTION = ("sdpa", "eager", WINDOW_SDPA)
 
 
 class StaticCacheUnsupported(ValueError):
@@ -98,6 +100,10 @@ class StaticCausalLM(TransformersLM):
         if problem is not None:
             raise StaticCacheUnsupported(f"the static-cache backend cannot serve this model: {problem}")
         super().__init__(model, vocab_size)
+        # SDPA models attend over a window of the cache and group their query heads
+        # (speccli.backends.attention); eager ones over the whole capacity, as transformers does.
+        self.windowed = use_windowed_attention(model)
+        self._groups = query_groups(model.config) if self.windowed else 1
         wanted = capacity or DEFAULT_CAPACITY
         self._capacity = min(wanted, self.max_length) if self.max_length else wanted
         self.max_fed = max(1, max_fed)
@@ -108,9 +114,9 @@ class StaticCausalLM(TransformersLM):
         # them out of the step timings that k auto learns a pass's cost from.
         self.setup_seconds = 0.0
         self._cache = self._new_cache(self._capacity)
-        # Per (fed size, tree pass): the graph, its logits buffer, and its hidden-states
+        # Per (fed size, tree pass, window): the graph, its logits buffer, and its hidden-states
         # buffer (None when it was captured before hidden states were asked for).
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self._graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self._pool = None
         self._ids_buffer: torch.Tensor | None = None
         self._positions_buffer: torch.Tensor | None = None
@@ -126,12 +132,21 @@ class StaticCausalLM(TransformersLM):
     @property
     def graphed_sizes(self) -> list[int]:
         """The fed sizes of chain passes captured as CUDA graphs so far."""
-        return sorted(n for n, tree in self._graphs if not tree)
+        return sorted({n for n, tree, _ in self._graphs if not tree})
 
     @property
     def graphed_tree_sizes(self) -> list[int]:
         """The fed sizes of tree passes captured as CUDA graphs so far."""
-        return sorted(n for n, tree in self._graphs if tree)
+        return sorted({n for n, tree, _ in self._graphs if tree})
+
+    @property
+    def graphed_windows(self) -> list[int]:
+        """The attention windows (cache slots attended over) graphs were captured for."""
+        return sorted({window for _, _, window in self._graphs})
+
+    def window(self, length: int) -> int:
+        """The cache slots a pass attends over when the context after it is `length` tokens."""
+        return window_for(length, self._capacity) if self.windowed else self._capacity
 
     def capture_hidden(self) -> None:
         if self._hidden_hook is None:
@@ -149,7 +164,8 @@ class StaticCausalLM(TransformersLM):
         try:
             with torch.inference_mode():
                 if self.graphs_enabled and len(token_ids) <= self.max_fed:
-                    logits = self._replay(token_ids, list(range(start, start + len(token_ids))), start)
+                    positions = list(range(start, start + len(token_ids)))
+                    logits = self._replay(token_ids, positions, start, self.window(start + len(token_ids)))
                 else:
                     logits = self._eager_chunks(token_ids, start, all_logits)
         except BaseException:
@@ -177,9 +193,10 @@ class StaticCausalLM(TransformersLM):
         self._hidden_parts = []
         try:
             with torch.inference_mode():
-                mask = self._tree_mask(n, start, window_start, visible, self._capacity)
+                width = self.window(start + n)
+                mask = self._tree_mask(n, start, window_start, visible, width)
                 if self.graphs_enabled and n <= self.max_fed:
-                    logits = self._replay(token_ids, positions, start, mask)
+                    logits = self._replay(token_ids, positions, start, width, mask)
                 else:
                     logits = self._eager_tree(token_ids, positions, mask)
         except BaseException:
@@ -239,7 +256,7 @@ class StaticCausalLM(TransformersLM):
         ids = torch.zeros((1, 1), dtype=torch.long, device=self._device)
         positions = torch.zeros((1, 1), dtype=torch.long, device=self._device)
         with torch.inference_mode():
-            self._run(cache, ids, positions, all_logits=False)
+            self._run(cache, ids, positions, all_logits=False, width=cache.layers[0].max_cache_len)
         self._set_length(0, cache)
 
     def _lengths(self, cache=None) -> list[torch.Tensor]:
@@ -264,23 +281,31 @@ class StaticCausalLM(TransformersLM):
 
     # ------------------------------------------------------------------ passes
 
-    def _mask(self, positions: torch.Tensor, capacity: int) -> torch.Tensor:
-        """[1, 1, n, capacity] additive mask: query i sees slots 0 .. positions[i]."""
-        slots = torch.arange(capacity, device=positions.device)
+    def _mask(self, positions: torch.Tensor, width: int) -> torch.Tensor:
+        """[1, 1, n, width] additive mask: query i sees slots 0 .. positions[i]."""
+        slots = torch.arange(width, device=positions.device)
         visible = slots[None, None, None, :] <= positions[:, None, :, None]
         zero = torch.zeros((), dtype=self._mask_dtype, device=positions.device)
         hidden = torch.full((), torch.finfo(self._mask_dtype).min, dtype=self._mask_dtype, device=positions.device)
         return torch.where(visible, zero, hidden)
 
     def _run(
-        self, cache, ids: torch.Tensor, positions: torch.Tensor, all_logits: bool, mask: torch.Tensor | None = None
+        self,
+        cache,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        all_logits: bool,
+        width: int,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One model pass writing at the cache's write position; logits [1, n or 1, V]."""
+        """One model pass writing at the cache's write position, attending over the first
+        `width` slots (`mask`, [1, 1, n, width], or a causal one); logits [1, n or 1, V]."""
+        mask = self._mask(positions, width) if mask is None else mask
         kwargs = {
             self._cache_kwarg: cache,
             "use_cache": True,
             "position_ids": positions,
-            "attention_mask": self._mask(positions, cache.layers[0].max_cache_len) if mask is None else mask,
+            "attention_mask": pack_mask(mask, self._groups),
         }
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = 0 if all_logits else 1
@@ -294,7 +319,8 @@ class StaticCausalLM(TransformersLM):
             ids = torch.tensor([chunk], dtype=torch.long, device=self._device)
             first = start + offset
             positions = torch.arange(first, first + len(chunk), device=self._device).unsqueeze(0)
-            logits = self._run(self._cache, ids, positions, all_logits or not last)
+            width = self.window(first + len(chunk))
+            logits = self._run(self._cache, ids, positions, all_logits or not last, width)
             if all_logits:
                 rows.append(logits[0].float())
             elif last:
@@ -304,7 +330,7 @@ class StaticCausalLM(TransformersLM):
     def _eager_tree(self, token_ids: list[int], positions: list[int], mask: torch.Tensor) -> torch.Tensor:
         ids = torch.tensor([token_ids], dtype=torch.long, device=self._device)
         where = torch.tensor([positions], dtype=torch.long, device=self._device)
-        return self._run(self._cache, ids, where, all_logits=True, mask=mask)[0].float()
+        return self._run(self._cache, ids, where, all_logits=True, width=mask.shape[-1], mask=mask)[0].float()
 
     # ------------------------------------------------------------------ CUDA graphs
 
@@ -316,10 +342,10 @@ class StaticCausalLM(TransformersLM):
         self._mask_buffer = None
 
     def _replay(
-        self, token_ids: list[int], positions: list[int], start: int, mask: torch.Tensor | None = None
+        self, token_ids: list[int], positions: list[int], start: int, width: int, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Replay the graph of this fed size (a chain's, or with `mask` a tree's), captured
-        on first use."""
+        """Replay the graph of this fed size and window (a chain's, or with `mask` a tree's),
+        captured on first use."""
         n = len(token_ids)
         if self._ids_buffer is None:
             self._ids_buffer = torch.zeros((1, self.max_fed), dtype=torch.long, device=self._device)
@@ -334,14 +360,14 @@ class StaticCausalLM(TransformersLM):
                 self._mask_buffer = torch.zeros(
                     (1, 1, self.max_fed, self._capacity), dtype=self._mask_dtype, device=self._device
                 )
-            self._mask_buffer[:, :, :n].copy_(mask)
-        key = (n, mask is not None)
+            self._mask_buffer[:, :, :n, :width].copy_(mask)
+        key = (n, mask is not None, width)
         captured = self._graphs.get(key)
         if captured is None:
             began = time.perf_counter()
             try:
                 with torch.cuda.device(self._device):  # capture on the model's device, not the current one
-                    captured = self._capture(n, start, tree=mask is not None)
+                    captured = self._capture(n, start, width, tree=mask is not None)
             except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly from now on
                 self.graphs_error = f"{type(error).__name__}: {error}"
                 self.graphs_enabled = False
@@ -362,7 +388,7 @@ class StaticCausalLM(TransformersLM):
         return output[0].to(torch.float32, copy=True)
 
     def _capture(
-        self, n: int, start: int, tree: bool = False
+        self, n: int, start: int, width: int, tree: bool = False
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         """Capture one pass of n tokens. The warm-up passes and the capture write at the
         current position (past the cached tokens: harmless) and advance the write position;
@@ -370,13 +396,13 @@ class StaticCausalLM(TransformersLM):
         self._initialize(self._cache)
         ids = self._ids_buffer[:, :n]
         positions = self._positions_buffer[:, :n]
-        mask = self._mask_buffer[:, :, :n] if tree else None
+        mask = self._mask_buffer[:, :, :n, :width] if tree else None
         stream = torch.cuda.Stream(device=self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: lazy initialisations, cuBLAS handles, autotuning
                 self._set_length(start)
-                self._run(self._cache, ids, positions, all_logits=True, mask=mask)
+                self._run(self._cache, ids, positions, all_logits=True, width=width, mask=mask)
         torch.cuda.current_stream(self._device).wait_stream(stream)
         self._set_length(start)
         if self._pool is None:
@@ -384,11 +410,11 @@ class StaticCausalLM(TransformersLM):
         graph = torch.cuda.CUDAGraph()
         self._hidden_parts = []
         with torch.cuda.graph(graph, pool=self._pool):
-            output = self._run(self._cache, ids, positions, all_logits=True, mask=mask)
+            output = self._run(self._cache, ids, positions, all_logits=True, width=width, mask=mask)
         # The hook saw the graph's own hidden-states tensor: replays refill it in place.
         hidden = self._hidden_parts[-1] if self._hidden_parts else None
         # Capturing records the pass without running it; replay runs it from `start`.
         self._set_length(start)
-        self._graphs[(n, tree)] = (graph, output, hidden)
+        self._graphs[(n, tree, width)] = (graph, output, hidden)
         torch.cuda.synchronize(self._device)  # the warm-up passes count as setup, not as the next pass
         return graph, output, hidden
