@@ -1,0 +1,58 @@
+"""scripts/gpu_check.py, the GPU driver, in its --smoke form on the CPU: every stage runs and
+lands in the JSON and the markdown, and what it checks holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def run_driver(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--smoke", "--out", str(out), *args],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_the_smoke_run_measures_every_stage(tmp_path):
+    result = run_driver(tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert "errors" not in data
+    assert all(c["equal"] == c["prompts"] == 2 for c in data["correctness"]["float32_greedy"])
+    assert {c["tree"] for c in data["correctness"]["float32_greedy"]} == {False, True}
+    assert data["correctness"]["sampled"]["passed"]
+    assert data["profile"]["cpu_ops_per_pass"] > 0
+    costs = data["pass_costs"]["bf16"]
+    assert list(costs["contexts"]) == ["64", "300"] and list(costs["contexts"]["64"]["ms"]) == ["1", "2", "4", "8"]
+    assert set(costs["draft_token_ms"]) == {"self", "0.5b"}
+    runs = data["speed"]["bf16"]
+    assert runs["specgen-draft-self-k4"]["acceptance"] > 0.5 > runs["specgen-draft-0.5b-k4"]["acceptance"]
+    assert runs["specgen-plain"]["tokens"] == 2 * 16 and runs["specgen-plain"]["predicted_tokens_per_s"] > 0
+    assert set(data["peers"]) == {"hf-eager", "hf-static-compile"}
+    table = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "## tokens/s, bf16" in table and "| specgen-tree-self |" in table
+    assert result.stdout == table + "\n"
+
+
+def test_unknown_formats_are_refused(tmp_path):
+    result = run_driver(tmp_path / "out", "--formats", "bf16,int3")
+    assert result.returncode == 2 and "--formats takes bf16, int4, int4-hqq, nf4, fp8; not int3" in result.stderr
+
+
+def test_the_prediction_counts_each_pass_and_draft_token():
+    from gpu_check import predicted
+
+    run = {"tokens": 10, "fed": [5, 1, 3], "drafted": [4, 0, 2]}
+    # 5 -> the 6-token cost, 1 -> 1, 3 -> 4; six draft tokens at 1 ms.
+    assert predicted(run, {1: 10.0, 4: 12.0, 6: 14.0}, 1.0) == round(10 / ((14 + 10 + 12 + 6) / 1e3), 2)
+    assert predicted(run, {1: 10.0, 4: 12.0}, 1.0) is None  # a pass larger than any measured
