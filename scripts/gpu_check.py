@@ -84,7 +84,8 @@ class Plan:
     sample_draws: int
 
 
-FORMATS = ("bf16", "int4", "int4-hqq", "nf4", "fp8")
+# "+compile": the same weights, the passes through torch.compile (`--compile on`).
+FORMATS = ("bf16", "bf16+compile", "int4", "int4-hqq", "nf4", "fp8")
 REAL = Plan(SHAPES["real"], SIZES, CONTEXTS, 64, 3, 200, FORMATS, 3000)
 SMOKE_SHAPES = {
     "target": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -93,7 +94,7 @@ SMOKE_SHAPES = {
                   intermediate_size=64, vocab_size=512, tie_word_embeddings=True),
     "self_layers": 2,
 }
-SMOKE = Plan(SMOKE_SHAPES, (1, 2, 4, 8), (64, 300), 16, 2, 40, ("bf16",), 400)
+SMOKE = Plan(SMOKE_SHAPES, (1, 2, 4, 8), (64, 300), 16, 2, 40, ("bf16",), 400)  # --formats adds bf16+compile
 
 
 def log(message: str) -> None:
@@ -368,11 +369,15 @@ def sampled_test(plan: Plan, device: torch.device, text) -> dict:
             "passed": pvalue >= 1e-3 and impossible == 0}
 
 
-def profile(plan: Plan, device: torch.device, clock: Clock, target, steps: int = 20) -> dict:
-    """Plain one-token passes of the graphed bf16 target under the profiler."""
+def compiled(fmt: str) -> bool:
+    return fmt.endswith("+compile")
+
+
+def profile(plan: Plan, device: torch.device, clock: Clock, target, fmt: str, steps: int = 20) -> dict:
+    """Plain one-token passes of the graphed target under the profiler."""
     from torch.profiler import ProfilerActivity, profile as profiler
 
-    lm = StaticCausalLM(target)
+    lm = StaticCausalLM(target, compile=compiled(fmt))
     prompt = prompts_for(plan, target.config.vocab_size)[0]
     lm.forward(prompt, all_logits=False)
     for token in range(3):  # capture before profiling
@@ -393,7 +398,8 @@ def profile(plan: Plan, device: torch.device, clock: Clock, target, steps: int =
     ops = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU)
     result = {"steps": steps, "wall_ms_per_pass": round(1e3 * wall, 3), "kernels_per_pass": kernels / steps,
               "cpu_ops_per_pass": ops / steps, "gpu_busy_ms_per_pass": round(busy_us / 1e3 / steps, 3),
-              "backend": "cuda graphs" if lm.graphs_enabled else "eager", "graphs_error": lm.graphs_error}
+              "backend": ("cuda graphs" if lm.graphs_enabled else "eager") + (", compiled" if lm.compile_enabled else ""),
+              "graphs_error": lm.graphs_error, "compile_error": lm.compile_error}
     if kernels:
         result["host_ms_per_pass"] = round(result["wall_ms_per_pass"] - result["gpu_busy_ms_per_pass"], 3)
     lm.rollback(0)
@@ -401,14 +407,15 @@ def profile(plan: Plan, device: torch.device, clock: Clock, target, steps: int =
 
 
 def pass_costs(plan: Plan, device: torch.device, clock: Clock, target, drafts: dict, fmt: str, bandwidth: float) -> dict:
-    lm = StaticCausalLM(target, capacity=max(plan.contexts) + max(plan.sizes) + 8)
+    lm = StaticCausalLM(target, capacity=max(plan.contexts) + max(plan.sizes) + 8, compile=compiled(fmt))
     rows: dict[str, Any] = {"format": fmt, "weight_bytes": weight_bytes(target), "graphs_error": None, "contexts": {}}
     for context in plan.contexts:
         clock.check(f"{fmt} passes at {context} tokens")
         curve = measure_costs(lm, None, max(plan.sizes), repeats=3, context_tokens=context, sizes=plan.sizes)
         costs = {n: round(1e3 * s, 3) for n, s in sorted(curve.verify_seconds.items())}
         rows["contexts"][context] = {"ms": costs, "ratio_to_one": {n: round(c / costs[1], 3) for n, c in costs.items()}}
-    rows["graphs_error"] = lm.graphs_error
+    rows.update(graphs_error=lm.graphs_error, compile_error=lm.compile_error,
+                setup_seconds=round(lm.setup_seconds, 1))  # graph captures (and compiles), once per process
     if bandwidth:
         limit_ms = rows["weight_bytes"] / (bandwidth * 1e9) * 1e3
         one = rows["contexts"][plan.contexts[0]]["ms"][1]
@@ -417,7 +424,7 @@ def pass_costs(plan: Plan, device: torch.device, clock: Clock, target, drafts: d
     rows["draft_token_ms"] = {}
     for name, draft in drafts.items():
         clock.check(f"the {name} draft's token")
-        draft_lm = StaticCausalLM(draft)
+        draft_lm = StaticCausalLM(draft, compile=compiled(fmt))
         curve = measure_costs(draft_lm, None, 1, repeats=5, context_tokens=plan.contexts[0], sizes=(1,))
         rows["draft_token_ms"][name] = round(1e3 * curve.verify_seconds[1], 3)
     return rows
@@ -489,12 +496,12 @@ def peers(plan: Plan, clock: Clock, target) -> dict:
 def speed(plan: Plan, device: torch.device, clock: Clock, text, target, drafts: dict, costs: dict, fmt: str) -> dict:
     prompts = prompts_for(plan, target.config.vocab_size, seed=11)
     result: dict[str, Any] = {"format": fmt}
-    target_lm = StaticCausalLM(target)
+    target_lm = StaticCausalLM(target, compile=compiled(fmt))
     verify_ms = costs.get("contexts", {}).get(plan.contexts[0], {}).get("ms", {})
     methods: list[tuple[str, Any, SpecConfig, float | None]] = [
         ("specgen-plain", None, SpecConfig(k=0, max_new_tokens=plan.new_tokens), None)]
     for name, draft in drafts.items():
-        drafter = ModelDrafter(StaticCausalLM(draft), target.config.vocab_size)
+        drafter = ModelDrafter(StaticCausalLM(draft, compile=compiled(fmt)), target.config.vocab_size)
         draft_ms = costs.get("draft_token_ms", {}).get(name)
         methods += [(f"specgen-draft-{name}-k4", drafter, SpecConfig(k=4, max_new_tokens=plan.new_tokens), draft_ms),
                     (f"specgen-draft-{name}-auto", drafter, SpecConfig(k="auto", max_new_tokens=plan.new_tokens), draft_ms),
@@ -538,10 +545,10 @@ def markdown(data: dict) -> str:
         s = correct["sampled"]
         lines.append(f"- sampled, first two tokens' joint: p = {s['pvalue']:.3g} over {s['draws']} draws "
                      f"({'pass' if s['passed'] else 'FAIL'})")
-    if "profile" in data:
-        p = data["profile"]
-        lines.append(f"- profile ({p['backend']}): {p['kernels_per_pass']:.0f} kernels per pass, GPU busy "
-                     f"{p['gpu_busy_ms_per_pass']} ms, wall {p['wall_ms_per_pass']} ms per pass")
+    for fmt, p in data.get("profile", {}).items():
+        if p:
+            lines.append(f"- profile, {fmt} ({p['backend']}): {p['kernels_per_pass']:.0f} kernels per pass, GPU busy "
+                         f"{p['gpu_busy_ms_per_pass']} ms, wall {p['wall_ms_per_pass']} ms per pass")
     lines.append("")
     for fmt, rows in data.get("pass_costs", {}).items():
         if "error" in rows:
@@ -555,7 +562,10 @@ def markdown(data: dict) -> str:
         for context, row in rows["contexts"].items():
             lines.append(f"| {context}, ms | " + " | ".join(f"{row['ms'][s]:.2f}" for s in sizes) + " |")
             lines.append(f"| {context}, x 1 | " + " | ".join(f"{row['ratio_to_one'][s]:.2f}" for s in sizes) + " |")
-        lines += ["", "draft token: " + ", ".join(f"{k} {v} ms" for k, v in rows["draft_token_ms"].items()), ""]
+        lines += ["", "draft token: " + ", ".join(f"{k} {v} ms" for k, v in rows["draft_token_ms"].items())
+                  + f"; captures and compiles: {rows['setup_seconds']} s"
+                  + "".join(f"; {key}: {rows[key].splitlines()[0]}" for key in ("graphs_error", "compile_error") if rows[key]),
+                  ""]
     peer_runs = data.get("peers", {})
     for name, run in peer_runs.items():
         lines.append(f"- {name} (bf16): " + (run["error"].splitlines()[0] if "error" in run else f"{run['tokens_per_s']} tok/s"))
@@ -637,7 +647,7 @@ def main() -> int:
     report.data["environment"] = env
     report.data["correctness"] = staged(report, "correctness", share("correctness"),
                                         lambda clock: correctness(plan, device, text, clock)) or {}
-    report.data["pass_costs"], report.data["speed"] = {}, {}
+    report.data["pass_costs"], report.data["speed"], report.data["profile"] = {}, {}, {}
     drafts = {"self": None, "0.5b": build_draft(plan, device, torch.bfloat16)}
     bandwidth = env.get("copy_bandwidth_gbs", 0.0) if device.type == "cuda" else 0.0
     for index, fmt in enumerate(formats):
@@ -648,7 +658,7 @@ def main() -> int:
         per_format = left / (len(formats) - index) - (share("peers") if index == 0 else 0.0)
         target, drafts["self"] = build_target(plan, device, torch.bfloat16)
         try:
-            quantize(target, fmt)
+            quantize(target, fmt.removesuffix("+compile"))
         except Exception as error:  # noqa: BLE001 - a format this machine lacks is reported, not fatal
             report.data["pass_costs"][fmt] = {"error": f"{type(error).__name__}: {error}"}
             report.save()
@@ -656,9 +666,9 @@ def main() -> int:
             drafts["self"] = None
             free(device)
             continue
-        if index == 0:
-            report.data["profile"] = staged(report, "profile", share("profile"),
-                                            lambda clock: profile(plan, device, clock, target)) or {}
+        if index == 0 or compiled(fmt):
+            report.data["profile"][fmt] = staged(report, f"profile {fmt}", share("profile"),
+                                                 lambda clock: profile(plan, device, clock, target, fmt)) or {}
         costs = staged(report, f"pass_costs {fmt}", per_format * 0.4,
                        lambda clock: pass_costs(plan, device, clock, target, drafts, fmt, bandwidth))
         report.data["pass_costs"][fmt] = costs or {"error": report.data.get("errors", {}).get(f"pass_costs {fmt}", "")}

@@ -86,12 +86,14 @@ class ModelOptions:
     cuda_graphs: str = "auto"
     backend: str = "auto"
     no_cache: bool = False
+    compile: str = "auto"
 
     def configs(self) -> tuple[LoadConfig, LoadConfig]:
         try:
             target = LoadConfig(
                 self.device, self.dtype, self.quant, self.trust_remote_code, cpu_linear=self.cpu_linear,
                 cuda_graphs=self.cuda_graphs, backend=self.backend, keep_converted=not self.no_cache,
+                compile=self.compile,
             )
             draft = LoadConfig(
                 self.draft_device or self.device,
@@ -103,6 +105,7 @@ class ModelOptions:
                 cuda_graphs=self.cuda_graphs,
                 backend=self.backend,
                 keep_converted=not self.no_cache,
+                compile=self.compile,
             )
         except ValueError as error:
             raise UsageError(str(error)) from None
@@ -163,6 +166,7 @@ DraftQuantOpt = Annotated[Optional[str], typer.Option("--draft-quant", help="Qua
 CpuLinearOpt = Annotated[str, typer.Option("--cpu-linear", help="auto: float32 linear layers on the CPU run through oneDNN (same float32 math, passes 1.5-2.5x faster than PyTorch's default there), and in bfloat16 a one-token pass multiplies its row as two rows where that is measured faster (PyTorch's one-row bf16 kernel is the slower on some CPUs); stock: PyTorch's default kernels.")]
 CudaGraphsOpt = Annotated[str, typer.Option("--cuda-graphs", help="auto: on CUDA, bfloat16/float16 and 4/8-bit models decode over a static KV cache replayed as CUDA graphs (2-5x faster passes); off: transformers' DynamicCache, as on the CPU.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"specgen\\[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
+CompileOpt = Annotated[str, typer.Option("--compile", help="on: run the passes through torch.compile over the static KV cache (inductor fuses the many small kernels of a pass; on CUDA inside the CUDA graphs; on the CPU the model moves to the static cache too). The first start compiles (seconds for a tiny model, minutes for a large one), later starts mostly read it back from specgen's cache. auto: off until measured faster on a GPU (scripts/gpu_check.py); off.")]
 NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Neither read nor keep converted weights in specgen's cache (also SPECGEN_NO_CACHE=1): a GGUF is dequantized again on every start. See `specgen models --converted`.")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
@@ -182,6 +186,7 @@ LOAD_OPTIONS: tuple[tuple[str, object, object], ...] = (
     ("cpu_linear", CpuLinearOpt, "auto"),
     ("cuda_graphs", CudaGraphsOpt, "auto"),
     ("backend", BackendOpt, "auto"),
+    ("compile", CompileOpt, "auto"),
     ("no_cache", NoCacheOpt, False),
 )
 

@@ -90,6 +90,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTS = ("auto", "4bit", "8bit", "int8", "none")
 CPU_LINEAR = ("auto", "stock")
 CUDA_GRAPHS = ("auto", "off")
+COMPILE = ("auto", "on", "off")
 BACKENDS = ("auto", "transformers", "llama.cpp")
 
 
@@ -109,6 +110,9 @@ class LoadConfig:
     model on the CPU, keeps transformers' DynamicCache (speccli.backends.hf.HFCausalLM).
     backend: auto runs a GGUF file on the CPU through llama.cpp when llama-cpp-python is
     installed (speccli.backends.llamacpp), everything else through transformers.
+    compile: on runs the static-cache backend's passes through torch.compile (and puts a model
+    on the CPU on that backend too); auto stays off until the GPU check measures it faster
+    (scripts/gpu_check.py); off.
     keep_converted: a GGUF file's first load through transformers keeps the dequantized
     weights in specgen's cache and later loads read them (speccli.models.converted); off
     (`--no-cache`), neither read nor written.
@@ -123,6 +127,7 @@ class LoadConfig:
     cuda_graphs: str = "auto"
     backend: str = "auto"
     keep_converted: bool = True
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -137,3 +142,5 @@ class LoadConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
+        if self.compile not in COMPILE:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE)}, got {self.compile!r}")

@@ -114,7 +114,7 @@ def load_pipeline(
         check_tokenizers_compatible(pending_target.tokenizer, pending_draft.tokenizer)
 
     target = load_weights(pending_target, progress)
-    target_lm = causal_lm(target, target_config.cuda_graphs)
+    target_lm = causal_lm(target, target_config.cuda_graphs, target_config.compile)
     draft: LoadedModel | None = None
     drafter: Drafter | None
     if key in DRAFTERS:
@@ -125,7 +125,9 @@ def load_pipeline(
         drafter = None
     else:
         draft = load_weights(pending_draft, progress)
-        drafter = model_drafter(target_lm, target.tokenizer, draft, cuda_graphs=draft_config.cuda_graphs)
+        drafter = model_drafter(
+            target_lm, target.tokenizer, draft, cuda_graphs=draft_config.cuda_graphs, compile=draft_config.compile
+        )
     decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
 
@@ -154,22 +156,58 @@ def uses_cuda_graphs(loaded: LoadedModel, cuda_graphs: str = "auto") -> bool:
     return static_cache_problem(loaded.model) is None
 
 
-def causal_lm(loaded: LoadedModel, cuda_graphs: str = "auto") -> CausalLM:
+def causal_lm(loaded: LoadedModel, cuda_graphs: str = "auto", compile: str = "auto") -> CausalLM:
     """The backend a loaded model decodes through: llama.cpp for a model loaded by it, else
-    transformers (see `uses_cuda_graphs`)."""
+    transformers: the static cache with CUDA graphs (see `uses_cuda_graphs`) or with
+    `compile` on, else the DynamicCache. `compile` on where it cannot apply is a ModelLoadError."""
+    compiled = compile == "on"
     if loaded.backend == "llama.cpp":
+        if compiled:
+            _cannot_compile(loaded, "it runs through llama.cpp", "--backend transformers")
         return LlamaCppLM(loaded.model)
-    if uses_cuda_graphs(loaded, cuda_graphs):
-        return StaticCausalLM(loaded.model, graphs=True)
+    graphs = uses_cuda_graphs(loaded, cuda_graphs)
+    if compiled:
+        problem = static_cache_problem(loaded.model)
+        if problem is not None:
+            _cannot_compile(loaded, f"the static KV cache cannot serve it ({problem})", "--compile off")
+        keep_compiled_kernels()
+    if graphs or compiled:
+        return StaticCausalLM(loaded.model, graphs=graphs, compile=compiled)
     return HFCausalLM(loaded.model)
 
 
+def _cannot_compile(loaded: LoadedModel, why: str, hint: str) -> None:
+    from speccli.models.errors import ModelLoadError
+
+    raise ModelLoadError(f"--compile on cannot apply to {loaded.name}: {why}", hint=f"use {hint}")
+
+
+def keep_compiled_kernels() -> None:
+    """Point inductor's on-disk cache at specgen's cache, where it outlives /tmp: a later
+    start reads the compiled passes back. A TORCHINDUCTOR_CACHE_DIR the user set is kept;
+    torch sets its /tmp default there itself the first time anything asks for it."""
+    import os
+
+    from speccli.models import offline
+
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        torch_default = default_cache_dir()
+    except ImportError:  # an older torch: it sets no default before it compiles
+        torch_default = None
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, torch_default):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(offline.default_cache_dir() / "inductor")
+
+
 def backend_label(lm: CausalLM) -> str:
-    """llama.cpp, dynamic-cache, static-cache, or static-cache+cuda-graphs (for reports)."""
+    """llama.cpp, dynamic-cache, static-cache or static-cache+cuda-graphs, with +compile where
+    the passes run compiled (for reports)."""
     if isinstance(lm, LlamaCppLM):
         return "llama.cpp"
     if isinstance(lm, StaticCausalLM):
-        return "static-cache+cuda-graphs" if lm.graphs_enabled else "static-cache"
+        label = "static-cache+cuda-graphs" if lm.graphs_enabled else "static-cache"
+        return label + "+compile" if lm.compile_enabled else label
     return "dynamic-cache"
 
 
@@ -179,12 +217,13 @@ def model_drafter(
     draft: LoadedModel,
     stop_confidence: float = DEFAULT_STOP_CONFIDENCE,
     cuda_graphs: str = "auto",
+    compile: str = "auto",
 ) -> ModelDrafter:
     """A drafter over ``draft`` for that target, proposing only ids both tokenizers know
     (the tokenizers must have passed ``check_tokenizers_compatible``)."""
     shared = shared_vocab(target_tokenizer, draft.tokenizer)
     return ModelDrafter(
-        causal_lm(draft, cuda_graphs),
+        causal_lm(draft, cuda_graphs, compile),
         target_lm.vocab_size,
         stop_confidence,
         shared_vocab=shared.size,

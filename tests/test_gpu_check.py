@@ -31,7 +31,7 @@ def test_the_smoke_run_measures_every_stage(tmp_path):
     assert all(c["equal"] == c["prompts"] == 2 for c in data["correctness"]["float32_greedy"])
     assert {c["tree"] for c in data["correctness"]["float32_greedy"]} == {False, True}
     assert data["correctness"]["sampled"]["passed"]
-    assert data["profile"]["cpu_ops_per_pass"] > 0
+    assert data["profile"]["bf16"]["cpu_ops_per_pass"] > 0
     costs = data["pass_costs"]["bf16"]
     assert list(costs["contexts"]) == ["64", "300"] and list(costs["contexts"]["64"]["ms"]) == ["1", "2", "4", "8"]
     assert set(costs["draft_token_ms"]) == {"self", "0.5b"}
@@ -46,7 +46,7 @@ def test_the_smoke_run_measures_every_stage(tmp_path):
 
 def test_unknown_formats_are_refused(tmp_path):
     result = run_driver(tmp_path / "out", "--formats", "bf16,int3")
-    assert result.returncode == 2 and "--formats takes bf16, int4, int4-hqq, nf4, fp8; not int3" in result.stderr
+    assert result.returncode == 2 and "--formats takes bf16, bf16+compile, int4, int4-hqq, nf4, fp8; not int3" in result.stderr
 
 
 def test_the_prediction_counts_each_pass_and_draft_token():

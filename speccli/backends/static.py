@@ -33,6 +33,13 @@ preallocated (static) KV cache, and input buffers that are refilled in place.
   replayed one at a time, and each output is copied out before the next replay.
   A model whose pass cannot be captured (a capture error, e.g. a kernel that synchronises)
   falls back to eager passes over the same static cache; `graphs_error` says why.
+* With `compile`, the passes of up to `max_fed` tokens run the model through
+  `torch.compile` (inductor fuses the small kernels of norms, rotary embeddings, activations
+  and residual adds), compiled on first use (the warm-up before a capture) and replayed inside
+  the same CUDA graphs. Shapes after the first compile share one dynamic-shape compile;
+  inductor keeps what it compiled on disk (speccli.pipeline points it at specgen's cache), so
+  a later start mostly reads it back. A pass that cannot be compiled runs eagerly from then on;
+  `compile_error` says why.
 * On the CPU (or with graphs off) the same class runs every pass eagerly, so CI tests it.
 """
 
@@ -95,6 +102,7 @@ class StaticCausalLM(TransformersLM):
         graphs: bool = True,
         max_fed: int = DEFAULT_MAX_FED,
         prefill_chunk: int = PREFILL_CHUNK,
+        compile: bool = False,
     ) -> None:
         problem = static_cache_problem(model)
         if problem is not None:
@@ -110,6 +118,10 @@ class StaticCausalLM(TransformersLM):
         self.prefill_chunk = max(1, prefill_chunk)
         self.graphs_enabled = bool(graphs) and self._device.type == "cuda"
         self.graphs_error: str | None = None
+        self.compile_enabled = bool(compile)
+        self.compile_error: str | None = None
+        self._compiled = None
+        self._capturing = False  # inside _capture, whose time all counts as setup
         # Seconds spent inside passes on one-time work (capturing graphs): the decoder keeps
         # them out of the step timings that k auto learns a pass's cost from.
         self.setup_seconds = 0.0
@@ -299,7 +311,8 @@ class StaticCausalLM(TransformersLM):
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One model pass writing at the cache's write position, attending over the first
-        `width` slots (`mask`, [1, 1, n, width], or a causal one); logits [1, n or 1, V]."""
+        `width` slots (`mask`, [1, 1, n, width], or a causal one); logits [1, n or 1, V].
+        Compiled (with `compile`) for up to `max_fed` tokens; prompts' chunks run eagerly."""
         mask = self._mask(positions, width) if mask is None else mask
         kwargs = {
             self._cache_kwarg: cache,
@@ -309,7 +322,38 @@ class StaticCausalLM(TransformersLM):
         }
         if self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = 0 if all_logits else 1
+        if self.compile_enabled and ids.shape[1] <= self.max_fed:
+            try:
+                return self._compiled_pass(ids, kwargs, all_logits)
+            except Exception as error:  # noqa: BLE001 - dynamo/inductor fail before running: run eagerly
+                self.compile_error = f"{type(error).__name__}: {error}"
+                self.compile_enabled = False
         return self.model(input_ids=ids, **kwargs).logits
+
+    def _compiled_pass(self, ids: torch.Tensor, kwargs: dict, all_logits: bool) -> torch.Tensor:
+        """The pass through the compiled model. It always scores every token fed (a handful:
+        the output layer's weights are read once either way), so that `logits_to_keep` does
+        not double the compiles; a compile outside a graph capture (on the CPU) counts as
+        setup, not as the pass's cost."""
+        from torch._dynamo.utils import counters
+
+        if self._supports_logits_to_keep:
+            kwargs["logits_to_keep"] = 0
+        compiles, began = counters["frames"]["total"], time.perf_counter()
+        logits = self._compiled_model()(input_ids=ids, **kwargs).logits
+        if counters["frames"]["total"] != compiles and not self._capturing:
+            self.setup_seconds += time.perf_counter() - began
+        return logits if all_logits else logits[:, -1:]
+
+    def _compiled_model(self):
+        if self._compiled is None:
+            import torch._dynamo
+
+            # A compile per (fed size, window, chain or tree) at worst, before automatic
+            # dynamic shapes cover the sizes: more than dynamo's default of 8.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._compiled = torch.compile(self.model, dynamic=None, fullgraph=False)
+        return self._compiled
 
     def _eager_chunks(self, token_ids: list[int], start: int, all_logits: bool) -> torch.Tensor:
         rows: list[torch.Tensor] = []
@@ -366,6 +410,7 @@ class StaticCausalLM(TransformersLM):
         if captured is None:
             began = time.perf_counter()
             try:
+                self._capturing = True
                 with torch.cuda.device(self._device):  # capture on the model's device, not the current one
                     captured = self._capture(n, start, width, tree=mask is not None)
             except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly from now on
@@ -375,6 +420,7 @@ class StaticCausalLM(TransformersLM):
                 self._set_length(start)
                 self._hidden_parts = []
             finally:
+                self._capturing = False
                 self.setup_seconds += time.perf_counter() - began
             if captured is None:  # the pass itself, eagerly: a cost of the step, not setup
                 if mask is not None:

@@ -758,7 +758,8 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
     linear = "stock"
     stock_rows: dict[str, int] = {}
     kernels = cache / "kernels"
-    if device.type == "cpu" and config.cpu_linear == "auto":
+    # Compiled passes take inductor's own kernels (it cannot lower specgen's oneDNN layers).
+    if device.type == "cpu" and config.cpu_linear == "auto" and config.compile != "on":
         if dtype == torch.float32 and onednn_problem() is None and set_onednn_linear(model):
             linear = "onednn"
             chosen = choose_stock_rows(model, kernels, cpu_name(), progress=lambda message: say(f"{name}: {message}"))
