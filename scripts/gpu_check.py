@@ -373,36 +373,60 @@ def compiled(fmt: str) -> bool:
     return fmt.endswith("+compile")
 
 
-def profile(plan: Plan, device: torch.device, clock: Clock, target, fmt: str, steps: int = 20) -> dict:
-    """Plain one-token passes of the graphed target under the profiler."""
+def profiled(device: torch.device, work: Callable[[], Any], count: int) -> dict:
+    """Run `work` under the profiler: per unit of `count`, wall ms, device kernels and the
+    ms they kept the GPU busy, the host's share (wall - busy: the GPU waiting for it), and
+    the CPU-side operator count."""
     from torch.profiler import ProfilerActivity, profile as profiler
 
-    lm = StaticCausalLM(target, compile=compiled(fmt))
-    prompt = prompts_for(plan, target.config.vocab_size)[0]
-    lm.forward(prompt, all_logits=False)
-    for token in range(3):  # capture before profiling
-        lm.forward([token + 2])
-    sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
     started = time.perf_counter()
     with profiler(activities=activities) as prof:
-        for token in range(steps):
-            logits = lm.forward([token + 2])
-            int(torch.argmax(logits[-1]))  # the host waits for each pass, as decoding does
-    wall = (time.perf_counter() - started) / steps
-    kernels, busy_us = 0, 0.0
+        work()
+        sync(device)
+    wall_ms = 1e3 * (time.perf_counter() - started) / count
+    kernels, busy_us, ops = 0, 0.0, 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels += 1
             busy_us += getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0) or 0.0
-    ops = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU)
-    result = {"steps": steps, "wall_ms_per_pass": round(1e3 * wall, 3), "kernels_per_pass": kernels / steps,
-              "cpu_ops_per_pass": ops / steps, "gpu_busy_ms_per_pass": round(busy_us / 1e3 / steps, 3),
+        else:
+            ops += 1
+    result = {"wall_ms": round(wall_ms, 3), "kernels": kernels / count, "cpu_ops": ops / count,
+              "gpu_busy_ms": round(busy_us / 1e3 / count, 3)}
+    if kernels:
+        result["host_ms"] = round(wall_ms - result["gpu_busy_ms"], 3)
+    return result
+
+
+def profile(plan: Plan, device: torch.device, clock: Clock, target, fmt: str, steps: int = 20) -> dict:
+    """One-token passes of the graphed target, and steps of the decode loop (plain decoding,
+    where every step is one such pass), under the profiler."""
+    lm = StaticCausalLM(target, compile=compiled(fmt))
+    prompt = prompts_for(plan, target.config.vocab_size)[0]
+    lm.forward(prompt, all_logits=False)
+    for token in range(3):  # capture (and compile) before profiling
+        lm.forward([token + 2])
+
+    def passes() -> None:
+        for token in range(steps):
+            int(torch.argmax(lm.forward([token + 2])[-1]))  # the host waits for each pass, as decoding does
+
+    result = {"steps": steps, "pass": profiled(device, passes, steps),
               "backend": ("cuda graphs" if lm.graphs_enabled else "eager") + (", compiled" if lm.compile_enabled else ""),
               "graphs_error": lm.graphs_error, "compile_error": lm.compile_error}
-    if kernels:
-        result["host_ms_per_pass"] = round(result["wall_ms_per_pass"] - result["gpu_busy_ms_per_pass"], 3)
     lm.rollback(0)
+    clock.check("profiling the loop")
+    decoder = SpeculativeDecoder(lm, IdText(), [], None)
+    spec = SpecConfig(k=0, max_new_tokens=steps)
+    list(decoder.generate(prompt, SamplingConfig(), spec))  # the loop's own warm-up
+
+    def loop() -> None:
+        list(decoder.generate(prompt, SamplingConfig(), spec))
+
+    # Each generation re-reads its prompt's last token (one pass) and then takes `steps` steps.
+    result["loop_step"] = profiled(device, loop, steps)
     return result
 
 
@@ -546,9 +570,12 @@ def markdown(data: dict) -> str:
         lines.append(f"- sampled, first two tokens' joint: p = {s['pvalue']:.3g} over {s['draws']} draws "
                      f"({'pass' if s['passed'] else 'FAIL'})")
     for fmt, p in data.get("profile", {}).items():
-        if p:
-            lines.append(f"- profile, {fmt} ({p['backend']}): {p['kernels_per_pass']:.0f} kernels per pass, GPU busy "
-                         f"{p['gpu_busy_ms_per_pass']} ms, wall {p['wall_ms_per_pass']} ms per pass")
+        for unit in ("pass", "loop_step"):
+            if p and unit in p:
+                u = p[unit]
+                lines.append(f"- profile, {fmt} ({p['backend']}), per {unit.replace('_', ' ')}: {u['kernels']:.0f} kernels, "
+                             f"GPU busy {u['gpu_busy_ms']} ms, wall {u['wall_ms']} ms"
+                             + (f", host {u['host_ms']} ms" if "host_ms" in u else f", {u['cpu_ops']:.0f} CPU ops"))
     lines.append("")
     for fmt, rows in data.get("pass_costs", {}).items():
         if "error" in rows:

@@ -102,12 +102,24 @@ class Verdict:
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
     """target_logits: [n+1, V] (row i scores the token after draft position i-1);
-    draft_tokens: [n]. A draft token survives iff it equals the target's argmax."""
+    draft_tokens: [n]. A draft token survives iff it equals the target's argmax.
+
+    Decided where the logits are (a GPU), with one copy of the outcome to the host."""
     best = torch.argmax(target_logits, dim=-1)
     n = draft_tokens.shape[0]
-    mismatches = (best[:n] != draft_tokens).nonzero()
-    accepted = int(mismatches[0, 0]) if mismatches.numel() else n
-    return Verdict.chain(accepted, int(best[accepted]), n)
+    accepted = surviving(best[:n] == draft_tokens.to(best.device))
+    accepted, token = _to_host(accepted, best.gather(0, accepted.view(1))[0])
+    return Verdict.chain(accepted, token, n)
+
+
+def surviving(accept: torch.Tensor) -> torch.Tensor:
+    """How many leading entries of the bool vector `accept` are True (0-d, on its device)."""
+    return accept.to(torch.int64).cumprod(0).sum()
+
+
+def _to_host(*scalars: torch.Tensor) -> list[int]:
+    """0-d tensors to Python ints in one device-to-host copy (one wait for the device)."""
+    return torch.stack(scalars).tolist()
 
 
 def verify_sampled(
@@ -120,26 +132,31 @@ def verify_sampled(
 
     p: [n+1, V] warped target probabilities; draft_tokens: [n]; q: [n, V] warped draft
     probabilities, or None for a deterministic drafter (q one-hot at the drafted token).
+
+    Decided on p's device with one copy of the outcome to the host: the next token is drawn
+    from norm(max(0, p - q)) at the first rejected position, or from p at the bonus position
+    n, where q is taken as zero (the residual of p and nothing is p itself).
     """
     n = draft_tokens.shape[0]
+    draft_tokens = draft_tokens.to(p.device)
     if n:
         rows = torch.arange(n, device=p.device)
         p_of_draft = p[rows, draft_tokens]
         q_of_draft = torch.ones_like(p_of_draft) if q is None else q[rows, draft_tokens]
         uniform = torch.rand(n, generator=generator, device=p.device)
-        rejected = (~accept_mask(p_of_draft, q_of_draft, uniform)).nonzero()
-        accepted = int(rejected[0, 0]) if rejected.numel() else n
+        accepted = surviving(accept_mask(p_of_draft, q_of_draft, uniform))
     else:
-        accepted = 0
-    if accepted == n:
-        return Verdict.chain(n, int(sample(p[n], generator)), n)
+        accepted = torch.zeros((), dtype=torch.int64, device=p.device)
+    at = accepted.view(1)
+    rejected = (accepted < n).to(p.dtype)
     if q is None:
-        q_row = torch.zeros_like(p[accepted])
-        q_row[draft_tokens[accepted]] = 1.0
+        drafted = torch.cat([draft_tokens, draft_tokens.new_zeros(1)]).gather(0, at)
+        q_row = torch.zeros_like(p[0]).scatter_(0, drafted, rejected.view(1))
     else:
-        q_row = q[accepted]
-    residual = residual_distribution(p[accepted], q_row)
-    return Verdict.chain(accepted, int(sample(residual, generator)), n)
+        q_row = torch.cat([q.to(p.dtype), torch.zeros_like(p[:1])]).index_select(0, at)[0]
+    residual = residual_distribution(p.index_select(0, at)[0], q_row)
+    accepted, token = _to_host(accepted, sample(residual, generator))
+    return Verdict.chain(accepted, token, n)
 
 
 def verify_coupled(p: torch.Tensor, draft_tokens: torch.Tensor, noise: torch.Tensor) -> Verdict:

@@ -31,7 +31,7 @@ def test_the_smoke_run_measures_every_stage(tmp_path):
     assert all(c["equal"] == c["prompts"] == 2 for c in data["correctness"]["float32_greedy"])
     assert {c["tree"] for c in data["correctness"]["float32_greedy"]} == {False, True}
     assert data["correctness"]["sampled"]["passed"]
-    assert data["profile"]["bf16"]["cpu_ops_per_pass"] > 0
+    assert data["profile"]["bf16"]["pass"]["cpu_ops"] > 0 and data["profile"]["bf16"]["loop_step"]["wall_ms"] > 0
     costs = data["pass_costs"]["bf16"]
     assert list(costs["contexts"]) == ["64", "300"] and list(costs["contexts"]["64"]["ms"]) == ["1", "2", "4", "8"]
     assert set(costs["draft_token_ms"]) == {"self", "0.5b"}
