@@ -179,29 +179,22 @@ def build_draft(plan: Plan, device: torch.device, dtype: torch.dtype):
 
 
 def quantize(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
-    """The model's linear layers (the output head kept in bf16) in `fmt`, in place: int4
-    (tinygemm's tile-packed layout, groups of 128, scales by min/max or by HQQ) and FP8
-    weight-only through torchao, NF4 through bitsandbytes (as `--quant 4bit` loads it)."""
+    """The model's linear layers (the output head kept in bf16) in `fmt`, in place: int4 and
+    FP8 weight-only as `--quant int4|fp8` loads them (int4-hqq: int4's scales chosen by HQQ),
+    NF4 through bitsandbytes as `--quant 4bit` does."""
     head = model.get_output_embeddings()
     if fmt == "bf16":
         return model
     if fmt in ("int4", "int4-hqq", "fp8"):
         from torchao.quantization import quantize_
 
-        if fmt == "fp8":
-            from torchao.quantization import Float8WeightOnlyConfig
+        from speccli.models.torchao_quant import torchao_config
 
-            config = Float8WeightOnlyConfig()
-        else:
-            from torchao.quantization import Int4WeightOnlyConfig
-            from torchao.quantization.quantize_.workflows.int4.int4_choose_qparams_algorithm import (
-                Int4ChooseQParamsAlgorithm,
-            )
-            from torchao.quantization.quantize_.workflows.int4.int4_packing_format import Int4PackingFormat
+        config = torchao_config(fmt.removesuffix("-hqq")).quant_type  # what `--quant int4|fp8` loads
+        if fmt == "int4-hqq":
+            from dataclasses import replace
 
-            scales = Int4ChooseQParamsAlgorithm.HQQ if fmt == "int4-hqq" else Int4ChooseQParamsAlgorithm.TINYGEMM
-            config = Int4WeightOnlyConfig(group_size=128, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D,
-                                          int4_choose_qparams_algorithm=scales)
+            config = replace(config, int4_choose_qparams_algorithm="hqq")
         quantize_(model, config, filter_fn=lambda m, _: isinstance(m, torch.nn.Linear) and m is not head)
         return model
     if fmt == "nf4":

@@ -159,7 +159,7 @@ TopKOpt = Annotated[int, typer.Option("--top-k", help="Sample among the k most l
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Sample among the smallest set of tokens with this much mass.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu, cuda, cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16, float16.")]
-QuantOpt = Annotated[str, typer.Option("--quant", help="auto (4-bit on CUDA; on the CPU none for the target, int8 for the draft), 4bit, 8bit (bitsandbytes), int8 (PyTorch dynamic, CPU only), none.")]
+QuantOpt = Annotated[str, typer.Option("--quant", help="auto (bitsandbytes NF4 on CUDA; on the CPU none for the target, int8 for the draft), 4bit or nf4, 8bit (bitsandbytes), int4 (torchao weight-only, groups of 128, CUDA, bfloat16), fp8 (torchao weight-only, CUDA with FP8 units), int8 (PyTorch dynamic, CPU only), none. int4 and fp8 need the cuda extra: pip install \"specgen\\[cuda]\".")]
 DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="Device for the draft (default: --device).")]
 DraftDtypeOpt = Annotated[Optional[str], typer.Option("--draft-dtype", help="dtype for the draft (default: --dtype).")]
 DraftQuantOpt = Annotated[Optional[str], typer.Option("--draft-quant", help="Quantization for the draft (default: --quant). int8 halves a CPU draft token's cost; the output stays the target's own.")]

@@ -87,7 +87,7 @@ class SpecConfig:
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTS = ("auto", "4bit", "8bit", "int8", "none")
+QUANTS = ("auto", "4bit", "nf4", "8bit", "int8", "int4", "fp8", "none")
 CPU_LINEAR = ("auto", "stock")
 CUDA_GRAPHS = ("auto", "off")
 COMPILE = ("auto", "on", "off")

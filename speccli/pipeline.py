@@ -19,7 +19,8 @@ from speccli.drafters.model import DEFAULT_STOP_CONFIDENCE, ModelDrafter
 from speccli.drafters.registry import DRAFTERS
 from speccli.loop import SpeculativeDecoder
 from speccli.models.compat import check_tokenizers_compatible, shared_vocab
-from speccli.models.loading import LoadedModel, dtype_name, load_tokenizer, load_weights
+from speccli.models.loading import LoadedModel, PendingModel, dtype_name, load_tokenizer, load_weights
+from speccli.models.plan import check_pair_fits
 
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.api import Speculator
@@ -112,6 +113,7 @@ def load_pipeline(
     if key not in DRAFTERS and key != NO_DRAFT and heads is None:
         pending_draft = load_tokenizer(draft_name, draft_config, progress=progress)
         check_tokenizers_compatible(pending_target.tokenizer, pending_draft.tokenizer)
+        _check_pair_memory(pending_target, pending_draft)
 
     target = load_weights(pending_target, progress)
     target_lm = causal_lm(target, target_config.cuda_graphs, target_config.compile)
@@ -130,6 +132,14 @@ def load_pipeline(
         )
     decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
+
+
+def _check_pair_memory(target: PendingModel, draft: PendingModel) -> None:
+    """Before any weights: a target and draft sharing a GPU must fit it together."""
+    if target.memory is None or draft.memory is None or target.device != draft.device:
+        return
+    free, _ = torch.cuda.mem_get_info(target.device)
+    check_pair_fits(target.name, target.memory, draft.name, draft.memory, free, str(target.device))
 
 
 def _transformers_for_heads(config: LoadConfig, kind: str) -> LoadConfig:

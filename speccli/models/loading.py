@@ -49,11 +49,13 @@ from typing import Any
 
 import torch
 
-from speccli.config import LoadConfig
+from speccli.config import QUANTS, LoadConfig
 from speccli.models import converted, offline
 from speccli.models.cpu import cpu_name, cpuinfo_field
 from speccli.models.errors import ModelLoadError
 from speccli.models.int8 import int8_problem, quantize_int8
+from speccli.models.plan import ALTERNATIVES, MemoryNeed, check_fits, memory_need, meta_model
+from speccli.models.torchao_quant import TORCHAO_QUANTS, check_torchao_quant, torchao_config
 from speccli.models.onednn import (
     choose_stock_rows,
     onednn_problem,
@@ -109,7 +111,7 @@ class LoadedModel:
     tokenizer: Any  # transformers tokenizer
     device: torch.device
     dtype: torch.dtype
-    quant: str  # "none", "4bit", "8bit" or "gguf→<dtype>"
+    quant: str  # "none", "4bit", "8bit", "int8", "int4", "fp8", "gguf→<dtype>", ...
     load_seconds: float
     linear: str = "stock"  # "onednn": float32 linear layers through oneDNN; "two-row": bf16 one-row products as two
     # With "onednn": by weight shape ("8960x1536"), the rows below which PyTorch's own kernel
@@ -270,25 +272,29 @@ class _DropMessages(logging.Filter):
         self.prefixes = prefixes
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
+        return not record.getMessage().startswith(self.prefixes)
 
 
 @functools.lru_cache(maxsize=None)
-def _quiet_bitsandbytes() -> None:
-    """Drop two bitsandbytes warnings that say nothing a user can act on: one at import
-    (no optional `kernels` package), and one on every 8-bit matmul on the CPU."""
+def _quiet_libraries() -> None:
+    """Drop warnings that say nothing a user can act on: two of bitsandbytes (one at import, no
+    optional `kernels` package; one on every 8-bit matmul on the CPU), two of torchao's import."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
         _DropMessages("Failed to load CPU gemm_4bit_forward")
     )
     logging.getLogger("bitsandbytes.autograd._functions").addFilter(
         _DropMessages("MatMul8bitLt: inputs will be cast")
     )
+    # transformers imports torchao whenever it is installed (the cuda extra): its kernels for
+    # other GPUs than this one fail to load, and torch deprecates how it registers enums.
+    logging.getLogger("torchao").addFilter(_DropMessages("Failed to load "))
+    logging.getLogger("torch.utils._pytree").addFilter(_DropMessages("<enum "))
 
 
 @functools.lru_cache(maxsize=None)
 def _bitsandbytes_problem() -> str | None:
     """None when bitsandbytes imports, else why it does not."""
-    _quiet_bitsandbytes()
+    _quiet_libraries()
     try:
         import bitsandbytes  # noqa: F401
     except Exception as exc:  # ImportError, or a broken native library
@@ -308,14 +314,21 @@ def _int8_dtype(config: LoadConfig) -> torch.dtype:
 
 
 def choose_quant(requested: str, device: torch.device, *, gguf: bool = False, draft: bool = False) -> str:
-    """"none", "4bit", "8bit" or "int8". auto: 4bit on CUDA (none if bitsandbytes is missing);
-    on the CPU, int8 (PyTorch dynamic) for a draft and none for a target.
+    """"none", "4bit" (bitsandbytes NF4; `nf4` names it too), "8bit", "int8", "int4" or "fp8".
+    auto: 4bit on CUDA (none if bitsandbytes is missing); on the CPU, int8 (PyTorch dynamic)
+    for a draft and none for a target. int4 and fp8 are torchao's, on CUDA only
+    (speccli.models.torchao_quant).
 
-    A GGUF file is dequantized, never re-quantized by bitsandbytes: auto and none give
-    "none" (int8 for a draft on the CPU), and an explicit 4bit/8bit is a ModelLoadError.
+    A GGUF file is dequantized, never re-quantized: auto and none give "none" (int8 for a
+    draft on the CPU), and an explicit 4bit/8bit/int4/fp8 is a ModelLoadError.
     """
-    if requested not in ("auto", "none", "4bit", "8bit", "int8"):
-        raise ModelLoadError(f"unknown quantization {requested!r}", hint="use auto, 4bit, 8bit, int8 or none")
+    if requested not in QUANTS:
+        raise ModelLoadError(f"unknown quantization {requested!r}", hint="use " + ", ".join(QUANTS))
+    if requested == "nf4":
+        requested = "4bit"
+    if requested in TORCHAO_QUANTS:
+        check_torchao_quant(requested, device, gguf=gguf)
+        return requested
     if requested == "int8":
         if device.type != "cpu":
             raise ModelLoadError(
@@ -629,6 +642,10 @@ def _model_kwargs(
         # bitsandbytes quantizes while the weights are placed: they must land on the device
         # directly (a quantized model cannot be moved with .to() afterwards). On the CPU too.
         kwargs["device_map"] = {"": device}
+    elif quant in TORCHAO_QUANTS:
+        # Quantized as the weights are placed on the GPU: never there whole in bf16.
+        kwargs["quantization_config"] = torchao_config(quant)
+        kwargs["device_map"] = {"": device}
     elif device.type == "cuda":
         kwargs["device_map"] = {"": device}
     return kwargs
@@ -659,10 +676,11 @@ class PendingModel:
     tokenizer: Any  # transformers tokenizer
     device: torch.device
     dtype: torch.dtype
-    quant: str  # as chosen: "none", "int8", "4bit" or "8bit"
+    quant: str  # as chosen: "none", "int8", "4bit", "8bit", "int4" or "fp8"
     tokenizer_seconds: float  # resolving and loading the tokenizer took this long
     backend: str = "transformers"  # as chosen by choose_backend
     cache_dir: Path | None = None  # specgen's cache (offline models, kernel timings)
+    memory: MemoryNeed | None = None  # on CUDA, what it needs there (speccli.models.plan)
 
 
 def load_tokenizer(
@@ -692,6 +710,9 @@ def load_tokenizer(
     else:
         quant = choose_quant(config.quant, device, gguf=peek.is_gguf, draft=config.for_draft)
         dtype = _int8_dtype(config) if quant == "int8" else choose_dtype(config.dtype, device, quant)
+        if quant == "int4" and dtype != torch.bfloat16:
+            raise ModelLoadError(f"--quant int4 (torchao's tinygemm kernel) computes in bfloat16, not {dtype_name(dtype)}",
+                                 hint="drop --dtype, or use --dtype bfloat16")
     if config.quant == "auto" and device.type == "cuda" and quant == "none" and not peek.is_gguf:
         say(f"bitsandbytes is unavailable ({_bitsandbytes_problem()}): loading {name} unquantized")
     resolved = resolve(name, cache, progress, byte_progress=byte_progress) if peek.kind == "offline-package" else peek
@@ -705,9 +726,28 @@ def load_tokenizer(
             tokenizer = _from_pretrained(
                 AutoTokenizer.from_pretrained, resolved, {"trust_remote_code": config.trust_remote_code}
             )
+        memory = None
+        if device.type == "cuda" and not resolved.is_gguf:
+            memory = check_memory(name, resolved, quant, dtype, device, config.trust_remote_code)
     return PendingModel(
-        name, config, resolved, tokenizer, device, dtype, quant, time.perf_counter() - started, backend, cache
+        name, config, resolved, tokenizer, device, dtype, quant, time.perf_counter() - started, backend, cache, memory
     )
+
+
+def check_memory(
+    name: str, resolved: ResolvedModel, quant: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool
+) -> MemoryNeed:
+    """What the model needs on `device` in `quant`, from its config alone; a ModelLoadError
+    naming what would fit when that is more than the device has free."""
+    from transformers import AutoConfig
+
+    model_config = _from_pretrained(AutoConfig.from_pretrained, resolved, {"trust_remote_code": trust_remote_code})
+    model = meta_model(model_config)
+    needs = {q: memory_need(model, q, dtype) for q in ALTERNATIVES}
+    need = needs[quant] if quant in needs else memory_need(model, quant, dtype)
+    free, _ = torch.cuda.mem_get_info(device)
+    check_fits(name, need, quant, free, str(device), needs)
+    return need
 
 
 def load_weights(pending: PendingModel, progress: Progress | None = None) -> LoadedModel:
@@ -721,8 +761,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
     started = time.perf_counter()
     if pending.backend == "llama.cpp":
         return _load_llama_cpp(pending, say, started)
-    if quant != "none":
-        _quiet_bitsandbytes()
+    _quiet_libraries()
     cache = pending.cache_dir or offline.default_cache_dir()
     keeping = resolved.is_gguf and config.keep_converted and not converted.disabled_by_environment()
     conversion = converted.identity(resolved.gguf_path, dtype_name(dtype)) if keeping else None
