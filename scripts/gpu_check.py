@@ -67,7 +67,11 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32)
 CONTEXTS = (256, 2048)
 # Shares of --budget per stage (the rest is slack for loading and writing).
 # The formats share what is left after these.
-SHARES = {"environment": 0.03, "correctness": 0.2, "profile": 0.05, "peers": 0.22}
+SHARES = {"environment": 0.03, "correctness": 0.2, "profile": 0.05, "peers": 0.2, "projection": 0.07}
+# The real offline pair's shapes (Qwen2.5-Coder 1.5B target, 0.5B draft) for the projection.
+PAIR_TARGET = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                   intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)
+TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "acceptance-traces-qwen2.5-coder-float32.json"
 
 
 @dataclass(frozen=True)
@@ -447,6 +451,35 @@ def pass_costs(plan: Plan, device: torch.device, clock: Clock, target, drafts: d
     return rows
 
 
+def projection(plan: Plan, device: torch.device, clock: Clock, draft, formats: tuple[str, ...]) -> dict:
+    """The real pair's greedy acceptance (recorded on the CPU: scripts/acceptance_traces.py)
+    replayed against this GPU's pass costs of the same shapes: projected tokens/s, no more."""
+    from acceptance_traces import load_traces, project
+
+    traces = load_traces(TRACES)
+    shape = PAIR_TARGET if plan is REAL else plan.shapes["target"]
+    draft_lm = StaticCausalLM(draft)
+    draft_curve = measure_costs(draft_lm, None, 1, repeats=5, context_tokens=plan.contexts[0], sizes=(1,))
+    result: dict[str, Any] = {"traces": TRACES.name, "draft_token_ms": round(1e3 * draft_curve.verify_seconds[1], 3)}
+    for fmt in formats:
+        clock.check(f"the projection in {fmt}")
+        target = random_model(shape, device, torch.bfloat16, seed=3)
+        try:
+            quantize(target, fmt)
+        except Exception as error:  # noqa: BLE001 - a format this machine lacks
+            result[fmt] = {"error": f"{type(error).__name__}: {error}"}
+            continue
+        lm = StaticCausalLM(target)
+        sizes = tuple(n for n in range(1, 10) if n <= max(plan.sizes))
+        curve = measure_costs(lm, None, max(sizes), repeats=3, context_tokens=plan.contexts[0], sizes=sizes)
+        verify_ms = {n: 1e3 * seconds for n, seconds in curve.verify_seconds.items()}
+        result[fmt] = {"verify_ms": {n: round(ms, 3) for n, ms in verify_ms.items()},
+                       **project(traces, verify_ms, result["draft_token_ms"])}
+        del lm, target
+        free(device)
+    return result
+
+
 def run_method(decoder: SpeculativeDecoder, prompts: list[list[int]], spec: SpecConfig) -> dict:
     """Tokens/s over the prompts (decoding only: prefill excluded), and the steps' shape."""
     tokens = seconds = 0.0
@@ -610,6 +643,20 @@ def markdown(data: dict) -> str:
             lines.append(f"| {name} | {run['tokens_per_s']} | {run.get('tokens_per_step', '')} | "
                          f"{run.get('acceptance', '')} | {'' if share is None else f'{100 * share:.0f}%'} |")
         lines.append("")
+    proj = data.get("projection", {})
+    if proj:
+        lines += ["## projection: the real pair on this GPU", "",
+                  f"Qwen2.5-Coder 1.5B/0.5B shapes (random weights) timed here; the real pair's greedy acceptance "
+                  f"replayed from {proj.get('traces')} (CPU, float32). A projection, not a measurement.", "",
+                  "| target format | plain tok/s | best k | tok/s | x plain | k 4 x plain |", "|---|---|---|---|---|---|"]
+        for fmt, row in proj.items():
+            if isinstance(row, dict) and "error" in row:
+                lines.append(f"| {fmt} | {row['error'][:60]} | | | | |")
+            elif isinstance(row, dict):
+                best = row["k"][row["best_k"]]
+                lines.append(f"| {fmt} | {row['plain_tokens_per_s']} | {row['best_k']} | {best['tokens_per_s']} | "
+                             f"{best['speedup']:.2f} | {row['k'][4]['speedup']:.2f} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -675,7 +722,7 @@ def main() -> int:
         if left < 10:
             report.data["pass_costs"][fmt] = {"error": "out of time before this format"}
             continue
-        per_format = left / (len(formats) - index) - (share("peers") if index == 0 else 0.0)
+        per_format = (left - share("projection")) / (len(formats) - index) - (share("peers") if index == 0 else 0.0)
         target, drafts["self"] = build_target(plan, device, torch.bfloat16)
         try:
             quantize(target, fmt.removesuffix("+compile"))
@@ -702,6 +749,10 @@ def main() -> int:
         del target
         drafts["self"] = None
         free(device)
+    if TRACES.is_file():
+        report.data["projection"] = staged(report, "projection", share("projection"),
+                                           lambda clock: projection(plan, device, clock, drafts["0.5b"],
+                                                                    ("bf16", "int4", "nf4"))) or {}
     report.data["seconds"] = round(time.perf_counter() - started, 1)
     report.save()
     log(f"done in {report.data['seconds']} s: {args.out / 'gpu_check.md'}")

@@ -39,6 +39,8 @@ def test_the_smoke_run_measures_every_stage(tmp_path):
     assert runs["specgen-draft-self-k4"]["acceptance"] > 0.5 > runs["specgen-draft-0.5b-k4"]["acceptance"]
     assert runs["specgen-plain"]["tokens"] == 2 * 16 and runs["specgen-plain"]["predicted_tokens_per_s"] > 0
     assert set(data["peers"]) == {"hf-eager", "hf-static-compile"}
+    projected = data["projection"]["bf16"]
+    assert projected["tokens"] == 1278 and projected["k"]["4"]["speedup"] > 0  # the committed traces
     table = (tmp_path / "out" / "gpu_check.md").read_text()
     assert "## tokens/s, bf16" in table and "| specgen-tree-self |" in table
     assert result.stdout == table + "\n"
@@ -56,3 +58,18 @@ def test_the_prediction_counts_each_pass_and_draft_token():
     # 5 -> the 6-token cost, 1 -> 1, 3 -> 4; six draft tokens at 1 ms.
     assert predicted(run, {1: 10.0, 4: 12.0, 6: 14.0}, 1.0) == round(10 / ((14 + 10 + 12 + 6) / 1e3), 2)
     assert predicted(run, {1: 10.0, 4: 12.0}, 1.0) is None  # a pass larger than any measured
+
+
+def test_acceptance_traces_replay_fixed_k_steps():
+    from acceptance_traces import accepted_runs, project, replay_steps
+
+    matches = [True, True, False, True, True, True, False, False]
+    assert accepted_runs(matches) == [2, 1, 0, 3, 2, 1, 0, 0]
+    # k 2: at 0 two accepted and the bonus; at 3 two more and the bonus; at 6 one drafted and
+    # rejected (the target's token); at 7, the last, nothing is left to draft.
+    assert replay_steps(matches, 2) == [(2, 2), (2, 2), (1, 0), (0, 0)]
+    assert replay_steps(matches, 4) == [(4, 2), (4, 3), (0, 0)]  # nothing drafted past the answer's end
+    # Every step costs a 1-token pass of 10 ms plus 1 ms a draft token; k 1 on "all match" doubles speed.
+    result = project([[True] * 9 + [False]], {1: 10.0, 2: 10.0, 3: 10.0}, 1.0)
+    assert result["plain_tokens_per_s"] == 100.0 and result["tokens"] == 10
+    assert result["k"][1]["speedup"] == round((10 * 10) / (5 * 11), 3)
