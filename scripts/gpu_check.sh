@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # specgen's GPU check (scripts/gpu_check.py) on a machine with one CUDA GPU and no network, in
-# one call of about 8 minutes: the CUDA tests (cut at $TEST_SECONDS), then the driver within
+# one call of about 7 minutes: the CUDA tests (cut at $TEST_SECONDS), then the driver within
 # $BUDGET seconds. Results: OUT/gpu_check.json and OUT/gpu_check.md (BENCHMARKS.md cites
 # them), OUT/tests.txt, OUT/gpu.txt.
 #
@@ -9,8 +9,8 @@
 #                                          # (both git-ignored; carry them)
 #   bash scripts/gpu_check.sh [OUT]        # there (default OUT: $OUT, else gpu-check)
 #
-# Environment: BUDGET (the driver's seconds, 400), TEST_SECONDS (90; 0 skips the tests),
-# FORMATS (weight formats, default the driver's: bf16,int4,int4-hqq,nf4,fp8), PYTHON (python3).
+# Environment: BUDGET (the driver's seconds, 330), TEST_SECONDS (60; 0 skips the tests),
+# FORMATS (weight formats, default the driver's: bf16,int4,int4-hqq,nf4,fp8,bf16+compile), PYTHON (python3).
 set -uo pipefail
 python=${PYTHON:-python3}
 if [[ ${1:-} == --prepare ]]; then
@@ -42,13 +42,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-if [[ ${TEST_SECONDS:-90} != 0 ]]; then
+if [[ ${TEST_SECONDS:-60} != 0 ]]; then
     # SIGINT: pytest stops where it is and still prints its summary.
-    timeout -s INT -k 15 "${TEST_SECONDS:-90}" "$python" -m pytest -q -m cuda -p no:cacheprovider -n 4 >"$out/tests.txt" 2>&1
+    timeout -s INT -k 15 "${TEST_SECONDS:-60}" "$python" -m pytest -q -m cuda -p no:cacheprovider -n 4 >"$out/tests.txt" 2>&1
     echo "gpu_check: CUDA tests exited $? ($(tail -n 1 "$out/tests.txt"))" >&2
 fi
-args=(--out "$out" --budget "${BUDGET:-400}")
+args=(--out "$out" --budget "${BUDGET:-330}")
 [[ -d gpu-tokenizer ]] && args+=(--tokenizer gpu-tokenizer)
 [[ -n ${FORMATS:-} ]] && args+=(--formats "$FORMATS")
 # The driver keeps to its budget stage by stage; this only stops a stage that hangs.
-timeout -s INT -k 30 $(( ${BUDGET:-400} + 60 )) "$python" scripts/gpu_check.py "${args[@]}"
+timeout -s INT -k 30 $(( ${BUDGET:-330} + 60 )) "$python" scripts/gpu_check.py "${args[@]}"

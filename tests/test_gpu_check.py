@@ -48,7 +48,7 @@ def test_the_smoke_run_measures_every_stage(tmp_path):
 
 def test_unknown_formats_are_refused(tmp_path):
     result = run_driver(tmp_path / "out", "--formats", "bf16,int3")
-    assert result.returncode == 2 and "--formats takes bf16, bf16+compile, int4, int4-hqq, nf4, fp8; not int3" in result.stderr
+    assert result.returncode == 2 and "--formats takes bf16, int4, int4-hqq, nf4, fp8, bf16+compile; not int3" in result.stderr
 
 
 def test_the_prediction_counts_each_pass_and_draft_token():
