@@ -403,6 +403,72 @@ def bench(
 
 
 @app.command()
+def plan(
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    quant: str = typer.Option("4bit", "--quant", help="The target's format on the GPU: none, 8bit, 4bit (NF4, what --quant auto loads on CUDA), int4, fp8. GGUF files are dequantized: none."),
+    draft_quant: Optional[str] = typer.Option(None, "--draft-quant", help="The draft's format (default: --quant)."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="The compute dtype: bfloat16 or float16 (2 bytes), float32."),
+    tp: int = typer.Option(1, "--tp", min=1, help="GPUs the target is split over by tensor parallelism; the draft runs on the first."),
+    max_context: int = typer.Option(4096, "--max-context", min=1, help="Tokens of KV cache to plan for (the static cache starts at 4,096)."),
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", metavar="GB", help="Plan for GPUs of this many GB each (default: the free memory of the visible GPUs)."),
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    quiet: QuietOpt = False,
+) -> None:
+    """What a target and draft need on GPUs, from their configs alone (no weights are read or
+    downloaded): weights, KV cache and working memory per GPU, against the visible GPUs' free
+    memory or --gpu-memory, and what would fit when they do not. Exit code 2 when they do not."""
+
+    def body() -> int:
+        from speccli.models.loading import DTYPES, load_config
+        from speccli.models.plan import QUANT_NAMES, meta_model, plan_pair
+        from speccli.ui import plan_table
+
+        progress = stderr_progress(quiet)
+        for name, value in (("--quant", quant), ("--draft-quant", draft_quant or quant)):
+            if value not in QUANT_NAMES:
+                raise UsageError(f"{name} takes {', '.join(QUANT_NAMES)}, not {value!r}")
+        if dtype not in ("bfloat16", "float16", "float32"):
+            raise UsageError(f"--dtype takes bfloat16, float16 or float32, not {dtype!r}")
+        target_name, draft_name = target or _default_target(), draft or _default_draft()
+        target_resolved, target_config = load_config(target_name, trust_remote_code=trust_remote_code, progress=progress)
+        draft_model = None
+        if draft_name.strip().lower() not in PLANLESS_DRAFTS:
+            draft_resolved, draft_config = load_config(draft_name, trust_remote_code=trust_remote_code, progress=progress)
+            draft_model = meta_model(draft_config)
+        else:
+            draft_resolved = None
+        target_quant = "none" if target_resolved.is_gguf else quant
+        chosen_draft_quant = "none" if draft_resolved is not None and draft_resolved.is_gguf else (draft_quant or quant)
+        gpus, gpu_bytes = _gpu_memory(gpu_memory)
+        result = plan_pair(target_name, meta_model(target_config), draft_name if draft_model is not None else None,
+                           draft_model, target_quant, chosen_draft_quant, DTYPES[dtype], tp, max_context, gpu_bytes, gpus)
+        (plan_table.print_json if as_json else plan_table.print_table)(result)
+        return 2 if result.fits is False else 0
+
+    _run_guarded(body)
+
+
+# Drafters without a model of their own: nothing to plan for.
+PLANLESS_DRAFTS = ("none", "ngram", "lookahead", "medusa", "eagle")
+
+
+def _gpu_memory(gigabytes: float | None) -> tuple[int, float | None]:
+    """(GPUs, bytes each): --gpu-memory for GPUs of that size (as many as visible; with none
+    visible, as many as --tp asks: 0), else the least free memory among the visible GPUs;
+    (0, None) without either."""
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gigabytes is not None:
+        return visible, gigabytes * 1e9
+    if not visible:
+        return 0, None
+    return visible, float(min(torch.cuda.mem_get_info(i)[0] for i in range(visible)))
+
+
+@app.command()
 def models(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     show_converted: bool = typer.Option(False, "--converted", help="List only the converted weights kept in specgen's cache (GGUF files dequantized once, read by later starts)."),

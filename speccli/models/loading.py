@@ -734,6 +734,24 @@ def load_tokenizer(
     )
 
 
+def load_config(
+    name: str, cache_dir: Path | None = None, trust_remote_code: bool = False, progress: Progress | None = None
+) -> tuple[ResolvedModel, Any]:
+    """A model's transformers config and where it lives, without its weights: config.json from
+    a folder or the Hub, a GGUF file's header (an offline package is assembled first)."""
+    from transformers import AutoConfig
+
+    from speccli.models.gguf_weights import share_metadata_parse
+
+    cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
+    resolved = resolve(name, cache, progress)
+    with _explaining(name, resolved, "none", torch.device("cpu")):
+        if resolved.is_gguf:
+            share_metadata_parse()  # the header alone, not transformers' slow read of the vocabulary
+            return resolved, AutoConfig.from_pretrained(resolved.location, gguf_file=resolved.gguf_file)
+        return resolved, _from_pretrained(AutoConfig.from_pretrained, resolved, {"trust_remote_code": trust_remote_code})
+
+
 def check_memory(
     name: str, resolved: ResolvedModel, quant: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool
 ) -> MemoryNeed:

@@ -31,6 +31,8 @@ WORKING_BYTES = 1.0 * GB
 WORKING_SHARE = 0.05
 # What a refusal offers instead, in this order.
 ALTERNATIVES = ("none", "8bit", "int4", "4bit")
+# The formats `specgen plan` takes (the GPU's: no CPU int8).
+QUANT_NAMES = ("none", "8bit", "4bit", "int4", "fp8")
 
 
 def quantized_bytes_per_weight(quant: str, dtype: torch.dtype, in_features: int) -> float:
@@ -67,8 +69,12 @@ def meta_model(config) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def memory_need(model: torch.nn.Module, quant: str, dtype: torch.dtype, kv_tokens: int = KV_TOKENS) -> MemoryNeed:
-    """What `model` (a meta model will do) needs in `quant` and `dtype`."""
+def memory_need(
+    model: torch.nn.Module, quant: str, dtype: torch.dtype, kv_tokens: int = KV_TOKENS, tp: int = 1
+) -> MemoryNeed:
+    """What `model` (a meta model will do) needs in `quant` and `dtype`, on each of `tp` GPUs
+    under tensor parallelism (matrices and key/value heads split between them, vectors such
+    as norms on each)."""
     head = model.get_output_embeddings()
     size = torch.finfo(dtype).bits / 8
     weights = 0.0
@@ -78,17 +84,18 @@ def memory_need(model: torch.nn.Module, quant: str, dtype: torch.dtype, kv_token
             if id(param) in counted:  # tied embeddings count once
                 continue
             counted.add(id(param))
+            share = 1 / tp if param.dim() >= 2 else 1.0
             if isinstance(module, torch.nn.Linear) and module is not head and name == "weight":
-                weights += param.numel() * quantized_bytes_per_weight(quant, dtype, module.in_features)
+                weights += share * param.numel() * quantized_bytes_per_weight(quant, dtype, module.in_features)
             else:
-                weights += param.numel() * size
+                weights += share * param.numel() * size
     config = model.config
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // max(1, heads)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     context = min(kv_tokens, getattr(config, "max_position_embeddings", None) or kv_tokens)
     layers = getattr(config, "num_hidden_layers", 0)
-    kv_cache = 2.0 * layers * kv_heads * head_dim * context * size
+    kv_cache = 2.0 * layers * -(-kv_heads // tp) * head_dim * context * size
     return MemoryNeed(weights, kv_cache, WORKING_BYTES + WORKING_SHARE * weights)
 
 
@@ -119,3 +126,88 @@ def check_pair_fits(target: str, target_need: MemoryNeed, draft: str, draft_need
         f"{total / GB:.1f} GB together on {device}, and {free / GB:.1f} GB is free",
         hint="quantize further (--quant, --draft-quant), use a smaller draft, or --draft-device cpu",
     )
+
+
+TP_SIZES = (1, 2, 4, 8)
+SMALLER = ("8bit", "int4", "4bit")  # what a plan offers instead, least compressed first
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """A target over `tp` GPUs and a draft on the first of them (rank 0), against GPUs of
+    `gpu_bytes` each (None: not known, figures only), `gpus` of them (0: as many as asked)."""
+
+    target: str
+    draft: str | None
+    quant: str
+    draft_quant: str
+    tp: int
+    kv_tokens: int
+    target_need: MemoryNeed  # on each GPU
+    draft_need: MemoryNeed | None  # on the first GPU
+    target_weights: float  # all GPUs together
+    gpu_bytes: float | None
+    gpus: int
+    suggestions: tuple[str, ...] = ()
+
+    @property
+    def first_gpu(self) -> float:
+        return self.target_need.total + (self.draft_need.total if self.draft_need else 0.0)
+
+    @property
+    def fits(self) -> bool | None:
+        if self.gpu_bytes is None:
+            return None
+        return self.first_gpu <= self.gpu_bytes and (self.gpus == 0 or self.tp <= self.gpus)
+
+    def verdict(self) -> str:
+        if self.fits is None:
+            return "no GPU memory known here: give --gpu-memory GB to check a card size"
+        if self.fits:
+            return f"fits: {self.first_gpu / GB:.1f} of {self.gpu_bytes / GB:.1f} GB on the first GPU"
+        head = f"{self.target} in {self.quant} needs {self.target_weights / GB:.0f} GB of weights"
+        if self.tp > 1:
+            head += f" ({self.first_gpu / GB:.1f} GB on the first of {self.tp} GPUs, draft included)"
+        elif self.draft_need is not None:
+            head += f" ({self.first_gpu / GB:.1f} GB with the draft)"
+        if not self.suggestions:
+            return f"{head}: nothing offered here fits {self.gpu_bytes / GB:.0f} GB GPUs"
+        return f"{head}: " + ", or ".join(self.suggestions)
+
+
+def plan_pair(
+    target_name: str,
+    target_model: torch.nn.Module,
+    draft_name: str | None,
+    draft_model: torch.nn.Module | None,
+    quant: str,
+    draft_quant: str,
+    dtype: torch.dtype,
+    tp: int = 1,
+    kv_tokens: int = KV_TOKENS,
+    gpu_bytes: float | None = None,
+    gpus: int = 0,
+) -> PairPlan:
+    """The memory a pair needs per GPU (meta models will do), and where it does not fit GPUs of
+    `gpu_bytes`, what would: more GPUs in the asked format, or a smaller format."""
+    draft_need = None if draft_model is None else memory_need(draft_model, draft_quant, dtype, kv_tokens)
+    extra = draft_need.total if draft_need else 0.0
+
+    def first_gpu(q: str, n: int) -> float:
+        return memory_need(target_model, q, dtype, kv_tokens, n).total + extra
+
+    target_need = memory_need(target_model, quant, dtype, kv_tokens, tp)
+    weights = memory_need(target_model, quant, dtype, kv_tokens, 1).weights
+    suggestions: list[str] = []
+    if gpu_bytes is not None and target_need.total + extra > gpu_bytes:
+        more = next((n for n in TP_SIZES if n > tp and first_gpu(quant, n) <= gpu_bytes), None)
+        if more is not None:
+            suggestions.append(f"use --tp {more} on {more} {gpu_bytes / GB:.0f} GB GPUs"
+                               + (f" (this machine has {gpus})" if 0 < gpus < more else ""))
+        smaller = next((q for q in SMALLER if q != quant and first_gpu(q, tp) <= gpu_bytes), None)
+        if smaller is not None:
+            size = memory_need(target_model, smaller, dtype, kv_tokens, 1).weights
+            where = "on one" if tp == 1 else f"over {tp}"
+            suggestions.append(f"--quant {smaller}, {size / GB:.0f} GB, {where}")
+    return PairPlan(target_name, draft_name, quant, draft_quant, tp, kv_tokens, target_need, draft_need, weights,
+                    gpu_bytes, gpus, tuple(suggestions))
