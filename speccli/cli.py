@@ -87,13 +87,14 @@ class ModelOptions:
     backend: str = "auto"
     no_cache: bool = False
     compile: str = "auto"
+    tp: int = 1
 
     def configs(self) -> tuple[LoadConfig, LoadConfig]:
         try:
             target = LoadConfig(
                 self.device, self.dtype, self.quant, self.trust_remote_code, cpu_linear=self.cpu_linear,
                 cuda_graphs=self.cuda_graphs, backend=self.backend, keep_converted=not self.no_cache,
-                compile=self.compile,
+                compile=self.compile, tp=self.tp,
             )
             draft = LoadConfig(
                 self.draft_device or self.device,
@@ -166,6 +167,7 @@ DraftQuantOpt = Annotated[Optional[str], typer.Option("--draft-quant", help="Qua
 CpuLinearOpt = Annotated[str, typer.Option("--cpu-linear", help="auto: float32 linear layers on the CPU run through oneDNN (same float32 math, passes 1.5-2.5x faster than PyTorch's default there), and in bfloat16 a one-token pass multiplies its row as two rows where that is measured faster (PyTorch's one-row bf16 kernel is the slower on some CPUs); stock: PyTorch's default kernels.")]
 CudaGraphsOpt = Annotated[str, typer.Option("--cuda-graphs", help="auto: on CUDA, bfloat16/float16 and 4/8-bit models decode over a static KV cache replayed as CUDA graphs (2-5x faster passes); off: transformers' DynamicCache, as on the CPU.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"specgen\\[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
+TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Split the target over N processes by tensor parallelism (one per GPU; gloo processes on the CPU), launched here through PyTorch's launcher, or join a torchrun launch. Unquantized safetensors targets (--quant none); the draft runs in the first process, which owns the terminal. See README, \"Several GPUs\".")]
 CompileOpt = Annotated[str, typer.Option("--compile", help="on: run the passes through torch.compile over the static KV cache (inductor fuses the many small kernels of a pass; on CUDA inside the CUDA graphs; on the CPU the model moves to the static cache too). The first start compiles (seconds for a tiny model, minutes for a large one), later starts mostly read it back from specgen's cache. auto: off until measured faster on a GPU (scripts/gpu_check.py); off.")]
 NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Neither read nor keep converted weights in specgen's cache (also SPECGEN_NO_CACHE=1): a GGUF is dequantized again on every start. See `specgen models --converted`.")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run.")]
@@ -187,6 +189,7 @@ LOAD_OPTIONS: tuple[tuple[str, object, object], ...] = (
     ("cuda_graphs", CudaGraphsOpt, "auto"),
     ("backend", BackendOpt, "auto"),
     ("compile", CompileOpt, "auto"),
+    ("tp", TpOpt, 1),
     ("no_cache", NoCacheOpt, False),
 )
 
@@ -204,10 +207,69 @@ def with_load_options(command: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(command)
     def with_load(**kwargs) -> None:
         load = {name: kwargs.pop(name) for name, _, _ in LOAD_OPTIONS}
+        from speccli.backends import distributed
+
+        if load["tp"] > 1 or distributed.launched():
+            return _tensor_parallel(command, kwargs, load)
         return command(**kwargs, load=load)
 
     with_load.__signature__ = signature.replace(parameters=[*own, *shared])
     return with_load
+
+
+def _tensor_parallel(command: Callable[..., None], kwargs: dict, load: dict) -> None:
+    """`--tp N`: launch N ranks of this same command (or, started by torchrun, be one). Rank 0
+    runs the command; the others load their shard of the target and follow rank 0's passes."""
+    from speccli.backends import distributed
+
+    if not distributed.launched():
+        _run_guarded(lambda: _check_tensor_parallel(kwargs, load))  # a usage error: before any process starts
+        raise typer.Exit(distributed.launch(load["tp"], sys.argv[1:]))
+    rank = distributed.current()
+    if load["tp"] not in (1, rank.size):
+        _run_guarded(lambda: _refuse(f"--tp {load['tp']} asks for {load['tp']} ranks, and this run has {rank.size}",
+                                     "give torchrun --nproc-per-node the same number, or drop --tp"))
+    load["tp"] = rank.size
+    distributed.quiet_other_ranks()
+    distributed.join()
+    if not rank.leads:
+        _run_guarded(lambda: _follow(kwargs, load))
+        return
+    try:
+        command(**kwargs, load=load)
+    except typer.Exit as done:
+        if done.exit_code == 0:
+            distributed.stop_followers()
+        raise
+    distributed.stop_followers()
+
+
+def _check_tensor_parallel(kwargs: dict, load: dict) -> int:
+    from speccli.models.loading import check_tensor_parallel
+
+    target_config, _ = ModelOptions(kwargs.get("target") or _default_target(), "none", **load).configs()
+    check_tensor_parallel(kwargs.get("target") or _default_target(), target_config)
+    return 0
+
+
+def _refuse(message: str, hint: str) -> int:
+    raise UsageError(message, hint)
+
+
+def _follow(kwargs: dict, load: dict) -> int:
+    """A rank other than 0: its shard of the target, running rank 0's passes until it stops."""
+    from speccli.backends import distributed
+    from speccli.models.loading import load_model
+    from speccli.pipeline import causal_lm
+
+    rank = distributed.current()
+    print(f"specgen: rank {rank.index} of {rank.size} (pid {os.getpid()}): loading its shard of the target,"
+          " then running rank 0's passes", file=sys.stderr, flush=True)
+    options = ModelOptions(kwargs.get("target") or _default_target(), "none", **load)
+    target_config, _ = options.configs()
+    loaded = load_model(options.target, target_config)
+    distributed.follow(causal_lm(loaded, target_config.cuda_graphs, target_config.compile))
+    return 0
 
 
 @app.command()

@@ -110,6 +110,7 @@ class LoadConfig:
     model on the CPU, keeps transformers' DynamicCache (speccli.backends.hf.HFCausalLM).
     backend: auto runs a GGUF file on the CPU through llama.cpp when llama-cpp-python is
     installed (speccli.backends.llamacpp), everything else through transformers.
+    tp: the target split over this many tensor-parallel ranks (speccli.backends.distributed).
     compile: on runs the static-cache backend's passes through torch.compile (and puts a model
     on the CPU on that backend too); auto stays off until the GPU check measures it faster
     (scripts/gpu_check.py); off.
@@ -128,6 +129,7 @@ class LoadConfig:
     backend: str = "auto"
     keep_converted: bool = True
     compile: str = "auto"
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -142,5 +144,7 @@ class LoadConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be 1 or more, got {self.tp}")
         if self.compile not in COMPILE:
             raise ValueError(f"compile must be one of {', '.join(COMPILE)}, got {self.compile!r}")

@@ -117,6 +117,10 @@ def load_pipeline(
 
     target = load_weights(pending_target, progress)
     target_lm = causal_lm(target, target_config.cuda_graphs, target_config.compile)
+    if target_config.tp > 1:
+        from speccli.backends.distributed import lead
+
+        target_lm = lead(target_lm)  # the other ranks run each of its passes on their shards
     draft: LoadedModel | None = None
     drafter: Drafter | None
     if key in DRAFTERS:
@@ -213,6 +217,10 @@ def keep_compiled_kernels() -> None:
 def backend_label(lm: CausalLM) -> str:
     """llama.cpp, dynamic-cache, static-cache or static-cache+cuda-graphs, with +compile where
     the passes run compiled (for reports)."""
+    from speccli.backends.distributed import LeaderLM, current
+
+    if isinstance(lm, LeaderLM):
+        return f"{backend_label(lm._lm)}+tp{current().size}"
     if isinstance(lm, LlamaCppLM):
         return "llama.cpp"
     if isinstance(lm, StaticCausalLM):

@@ -613,9 +613,20 @@ def _load_gguf_tokenizer(resolved: ResolvedModel, cache_dir: Path, say: Progress
 
 
 def _model_kwargs(
-    resolved: ResolvedModel, dtype: torch.dtype, quant: str, device: torch.device, trust_remote_code: bool
+    resolved: ResolvedModel, dtype: torch.dtype, quant: str, device: torch.device, trust_remote_code: bool,
+    tp: int = 1,
 ) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if tp > 1:
+        # transformers' own plan shards every layer over the process group (joined already);
+        # each rank's shard lands on its device.
+        try:
+            from transformers.distributed import DistributedConfig
+        except ImportError:  # transformers before its DistributedConfig
+            kwargs["tp_plan"] = "auto"
+        else:
+            kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
+        return kwargs
     if resolved.gguf_file is not None:
         kwargs["gguf_file"] = resolved.gguf_file
         try:
@@ -704,11 +715,13 @@ def load_tokenizer(
     # Decide everything that can fail cheaply before assembling or loading anything.
     device = choose_device(config.device)
     peek = resolve(name, cache, assemble=False)
+    if config.tp > 1:
+        device = _tensor_parallel_device(name, config, peek)
     backend = choose_backend(config, peek, device)
     if backend == "llama.cpp":
         quant, dtype = "none", torch.float32  # the weights keep the file's quantization; logits are float32
     else:
-        quant = choose_quant(config.quant, device, gguf=peek.is_gguf, draft=config.for_draft)
+        quant = "none" if config.tp > 1 else choose_quant(config.quant, device, gguf=peek.is_gguf, draft=config.for_draft)
         dtype = _int8_dtype(config) if quant == "int8" else choose_dtype(config.dtype, device, quant)
         if quant == "int4" and dtype != torch.bfloat16:
             raise ModelLoadError(f"--quant int4 (torchao's tinygemm kernel) computes in bfloat16, not {dtype_name(dtype)}",
@@ -732,6 +745,31 @@ def load_tokenizer(
     return PendingModel(
         name, config, resolved, tokenizer, device, dtype, quant, time.perf_counter() - started, backend, cache, memory
     )
+
+
+def check_tensor_parallel(name: str, config: LoadConfig, cache_dir: Path | None = None) -> None:
+    """A ModelLoadError where transformers' tensor-parallel plan cannot split this target
+    (checked before any rank starts, and again by each)."""
+    cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
+    _tensor_parallel_device(name, config, resolve(name, cache, assemble=False))
+
+
+def _tensor_parallel_device(name: str, config: LoadConfig, resolved: ResolvedModel) -> torch.device:
+    """This rank's device for a target split over `config.tp` ranks; a ModelLoadError where
+    transformers' tensor-parallel plan cannot apply."""
+    from speccli.backends.distributed import TP_QUANTS, current, device_for
+
+    if resolved.is_gguf:
+        raise ModelLoadError(
+            f"--tp splits safetensors models; {name} is a GGUF file, which transformers dequantizes whole",
+            hint="use the model's safetensors release (a Hub id or folder), or drop --tp",
+        )
+    if config.quant not in ("auto", *TP_QUANTS):
+        raise ModelLoadError(
+            f"--tp {config.tp} splits unquantized weights; --quant {config.quant} is not split by transformers' plan",
+            hint="use --quant none (or auto) with --tp, or drop --tp to quantize on one GPU",
+        )
+    return device_for(current())
 
 
 def load_config(
@@ -801,7 +839,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
                 model = _from_pretrained(
                     AutoModelForCausalLM.from_pretrained,
                     resolved,
-                    _model_kwargs(resolved, dtype, quant, device, config.trust_remote_code),
+                    _model_kwargs(resolved, dtype, quant, device, config.trust_remote_code, config.tp),
                 )
             if conversion is not None:
                 keep = _conversion_keeper(model, cache, conversion, name, say)
@@ -815,8 +853,9 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
     linear = "stock"
     stock_rows: dict[str, int] = {}
     kernels = cache / "kernels"
-    # Compiled passes take inductor's own kernels (it cannot lower specgen's oneDNN layers).
-    if device.type == "cpu" and config.cpu_linear == "auto" and config.compile != "on":
+    # Compiled passes take inductor's own kernels (it cannot lower specgen's oneDNN layers), and
+    # sharded layers keep transformers' own.
+    if device.type == "cpu" and config.cpu_linear == "auto" and config.compile != "on" and config.tp == 1:
         if dtype == torch.float32 and onednn_problem() is None and set_onednn_linear(model):
             linear = "onednn"
             chosen = choose_stock_rows(model, kernels, cpu_name(), progress=lambda message: say(f"{name}: {message}"))

@@ -1,0 +1,241 @@
+"""Tensor parallelism: one target split over several processes (ranks), one per GPU (or CPU
+process on gloo), through PyTorch distributed and transformers' tensor-parallel plan.
+
+`specgen generate|chat|bench --tp N` started by a person launches N copies of itself through
+PyTorch's own launcher (torch.distributed's elastic agent, what `torchrun` runs); a copy
+started by `torchrun` (one node or several: torchrun's own --nnodes and --rdzv-* options)
+joins its process group instead. Every rank loads the target with `tp_plan="auto"`
+(transformers shards each layer's matrices and all-reduces their outputs: every rank ends
+each pass with the same full logits). Rank 0 runs the command as it runs alone: the draft,
+the decode loop and every decision (drafts, acceptance, sampling, k auto's timings) are its
+own, and its target (`LeaderLM`) sends each cache operation to the other ranks, which only
+run those on their shards (`follow`). So every rank holds the same tokens and cache length
+by construction. Rank 0 owns the terminal: the other ranks write to a log in specgen's cache.
+
+If a rank dies, the launcher stops the others (its monitor looks every second) and the
+command exits 1 with one line naming the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+# Quantizations transformers' tensor-parallel plan shards (bitsandbytes' and torchao's are not).
+TP_QUANTS = ("none",)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """This process's place: rank `index` of `size`, `local` on its node."""
+
+    index: int
+    size: int
+    local: int
+
+    @property
+    def leads(self) -> bool:
+        return self.index == 0
+
+
+def current() -> Rank:
+    """This process's rank from the launcher's environment (rank 0 of 1 outside one)."""
+    env = os.environ
+    return Rank(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun or specgen's own launch."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def launch(nproc: int, argv: Sequence[str]) -> int:
+    """Run `specgen argv` as `nproc` ranks on this machine; their exit code (rank 0's, or 1
+    with one line on stderr when a rank failed)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The elastic agent's own INFO/WARNING lines are not for a person at a terminal.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"specgen-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"localhost:{_free_port()}", max_restarts=0, monitor_interval=1,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "speccli.cli", *argv)
+    except ChildFailedError as failed:
+        return _exit_code(failed.failures)
+    return 0
+
+
+def _exit_code(failures: dict[int, Any]) -> int:
+    """Rank 0's own exit code where it failed (it said why, and the launcher stopped the
+    others); else 1, with one line naming the rank that failed first."""
+    rank0 = failures.get(0)
+    if rank0 is not None and rank0.exitcode > 0:
+        return rank0.exitcode
+    followers = {rank: f for rank, f in failures.items() if rank != 0} or failures
+    rank, first = min(followers.items(), key=lambda item: getattr(item[1], "timestamp", 0))
+    how = f"was killed by signal {-first.exitcode}" if first.exitcode < 0 else f"exited with {first.exitcode}"
+    print(f"error: rank {rank} of the tensor-parallel run {how}; the other ranks were stopped"
+          f" (its log: {log_path(rank)})", file=sys.stderr)
+    return 1
+
+
+def log_path(rank: int) -> Path:
+    from speccli.models.offline import default_cache_dir
+
+    return default_cache_dir() / "logs" / f"rank-{rank}.log"
+
+
+def quiet_other_ranks() -> None:
+    """On ranks other than 0: stdout and stderr into this rank's log (rank 0 owns the terminal)."""
+    rank = current()
+    if rank.leads:
+        return
+    path = log_path(rank.index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # the terminal's input is rank 0's
+    os.close(devnull)
+
+
+def device_for(rank: Rank) -> torch.device:
+    """Each rank's device: its local GPU, or the CPU (gloo) without GPUs."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank.local)
+    return torch.device("cpu")
+
+
+def join() -> None:
+    """Join the launcher's process group (NCCL on CUDA, gloo on the CPU) if not joined yet."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    rank = current()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank.local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank.local))
+    else:
+        dist.init_process_group("gloo")
+
+
+def share(value: Any) -> Any:
+    """Rank 0's `value` on every rank: one broadcast."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class LeaderLM:
+    """Rank 0's target: every operation on the cache (a pass, a tree pass, a rollback, a
+    keep) is sent to the other ranks before it runs here, so that their shards run the same
+    pass at the same time (`follow`). Everything else is the wrapped model's. A Ctrl-C during
+    an operation is held until it is done on this rank: leaving a pass half-way would leave
+    the other ranks waiting in its collectives."""
+
+    OPERATIONS = ("forward", "forward_tree", "rollback", "keep", "capture_hidden")
+
+    def __init__(self, lm) -> None:
+        self._lm = lm
+
+    def __getattr__(self, name: str):
+        value = getattr(self._lm, name)
+        if name not in self.OPERATIONS:
+            return value
+
+        def mirrored(*args, **kwargs):
+            with _held_interrupt():
+                share((name, _portable(args), kwargs))
+                return value(*args, **kwargs)
+
+        return mirrored
+
+    def stop_followers(self) -> None:
+        share(("stop", (), {}))
+
+
+_leaders: list[LeaderLM] = []
+
+
+def lead(lm) -> LeaderLM:
+    """Rank 0's target, mirrored on the other ranks (`stop_followers` ends them)."""
+    leader = LeaderLM(lm)
+    _leaders.append(leader)
+    return leader
+
+
+def stop_followers() -> None:
+    """Tell the other ranks the command is done (they exit 0). Nothing to do where rank 0
+    never got as far as its target."""
+    while _leaders:
+        _leaders.pop().stop_followers()
+
+
+def _portable(args: tuple) -> tuple:
+    """Tensors go to the other ranks on the CPU (each moves them to its own device)."""
+    return tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def follow(lm) -> None:
+    """Ranks other than 0: run rank 0's operations on this rank's shard until it stops."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides what a Ctrl-C stops
+    while True:
+        name, args, kwargs = share(None)
+        if name == "stop":
+            return
+        getattr(lm, name)(*args, **kwargs)
+
+
+class _held_interrupt:
+    """Hold SIGINT for the duration, raising KeyboardInterrupt after it if one came."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self._active = threading.current_thread() is threading.main_thread()
+        if self._active:
+            self._caught = False
+            self._previous = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self._caught = True
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._active:
+            signal.signal(signal.SIGINT, self._previous)
+            if self._caught and exc[0] is None:
+                raise KeyboardInterrupt

@@ -1,0 +1,94 @@
+"""`--tp 2` on the CPU (gloo): two ranks, the target split between them by transformers'
+tensor-parallel plan, rank 0 running the command and the other rank its passes. The tokens
+are the one-process run's; a rank that dies ends the run in seconds with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import perturbed_copy, save_model_folder, tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("tp")
+    target = tiny_llama(len(tokenizer), seed=1, logit_scale=10.0, max_positions=4096)
+    return (save_model_folder(target, tokenizer, root / "target"),
+            save_model_folder(perturbed_copy(target, noise=0.3, seed=2), tokenizer, root / "draft"))
+
+
+def specgen(cache: Path, *args: str, **popen) -> subprocess.CompletedProcess | subprocess.Popen:
+    command = [sys.executable, "-m", "speccli.cli", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPECGEN_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    if popen:
+        return subprocess.Popen(command, cwd=REPO, env=env, **popen)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def tokens(cache: Path, folders, *args: str) -> tuple[list[int], str]:
+    target, draft = folders
+    result = specgen(cache, "generate", "hello hello", "--target", str(target), "--dtype", "float32", "-n", "24",
+                     "--json", "-q", *[str(draft) if a == "DRAFT" else a for a in args])
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    return out["token_ids"], out["settings"]["backend"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", [
+    ("--draft", "DRAFT", "--k", "4"),
+    ("--draft", "ngram"),
+    ("--draft", "DRAFT", "--k", "3", "--tree"),
+    ("--draft", "DRAFT", "--temperature", "1", "--seed", "7"),
+], ids=["model-draft", "ngram", "tree", "seeded-sampling"])
+def test_two_ranks_give_the_one_process_tokens(tmp_path, folders, method):
+    alone, backend = tokens(tmp_path, folders, *method)
+    split, split_backend = tokens(tmp_path, folders, *method, "--tp", "2")
+    assert split == alone and len(split) == 24
+    assert (backend, split_backend) == ("dynamic-cache", "dynamic-cache+tp2")
+
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_the_run_with_one_line(tmp_path, folders):
+    target, draft = folders
+    run = specgen(tmp_path, "generate", "hello", "--target", str(target), "--draft", str(draft), "--dtype", "float32",
+                  "-n", "3000", "--k", "2", "-q", "--tp", "2", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    log = tmp_path / "logs" / "rank-1.log"
+    try:
+        deadline = time.monotonic() + 120
+        while "pid" not in (log.read_text() if log.is_file() else ""):
+            assert time.monotonic() < deadline and run.poll() is None, "rank 1 never started"
+            time.sleep(0.2)
+        assert run.stdout.read(1)  # rank 0 is generating
+        pid = int(log.read_text().split("(pid ")[1].split(")")[0])
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = run.wait(timeout=60)
+        assert time.monotonic() - killed < 30
+    finally:
+        if run.poll() is None:
+            run.kill()
+    stderr = run.stderr.read().decode()
+    assert code == 1
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: rank 1 of the tensor-parallel run was killed by signal 9; the other ranks were stopped")
+    assert "Traceback" not in stderr
+
+
+def test_tp_refuses_what_transformers_plan_cannot_split(tmp_path, folders):
+    target, _ = folders
+    result = specgen(tmp_path, "generate", "hi", "--target", str(target), "--draft", "none", "--quant", "4bit",
+                     "--tp", "2", "-q")
+    assert result.returncode == 2
+    assert "--tp 2 splits unquantized weights; --quant 4bit is not split by transformers' plan" in result.stderr
+    assert "Traceback" not in result.stderr
