@@ -223,13 +223,14 @@ def _tensor_parallel(command: Callable[..., None], kwargs: dict, load: dict) -> 
     from speccli.backends import distributed
 
     if not distributed.launched():
-        _run_guarded(lambda: _check_tensor_parallel(kwargs, load))  # a usage error: before any process starts
-        raise typer.Exit(distributed.launch(load["tp"], sys.argv[1:]))
+        # A usage error is said before any process starts; then the ranks' exit code is this one's.
+        _run_guarded(lambda: _check_tensor_parallel(kwargs, load) or distributed.launch(load["tp"], sys.argv[1:]))
     rank = distributed.current()
     if load["tp"] not in (1, rank.size):
         _run_guarded(lambda: _refuse(f"--tp {load['tp']} asks for {load['tp']} ranks, and this run has {rank.size}",
                                      "give torchrun --nproc-per-node the same number, or drop --tp"))
     load["tp"] = rank.size
+    distributed.announce_rank0()
     distributed.quiet_other_ranks()
     distributed.join()
     if not rank.leads:

@@ -5,6 +5,7 @@ are the one-process run's; a rank that dies ends the run in seconds with one lin
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import perturbed_copy, save_model_folder, tiny_llama
+from test_chat import endless_folders  # noqa: F401 - a fixture: a chat pair that never ends an answer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,3 +94,67 @@ def test_tp_refuses_what_transformers_plan_cannot_split(tmp_path, folders):
     assert result.returncode == 2
     assert "--tp 2 splits unquantized weights; --quant 4bit is not split by transformers' plan" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_chat_over_two_ranks_in_a_terminal(endless_folders, tmp_path):
+    """Rank 0 owns the terminal: colours, /stats, a Ctrl-C that stops the answer and keeps the
+    session, and Ctrl-D that ends every process."""
+    pexpect = pytest.importorskip("pexpect")
+    from conftest import default_sigint
+    from test_chat import chat_argv, child_env
+
+    argv = chat_argv(endless_folders, 40) + ["--k", "4", "--tp", "2"]
+    env = child_env(tmp_path)
+    child = pexpect.spawn(argv[0], argv[1:], cwd=str(REPO), env=env, encoding="utf-8", timeout=120,
+                          dimensions=(50, 200), preexec_fn=default_sigint)
+    log = Path(env["SPECGEN_CACHE"]) / "logs" / "rank-1.log"
+    try:
+        child.expect_exact(">>>")
+        child.send("hello there\r")
+        child.expect(r"\d+ tokens \| [\d.]+ tok/s \| acceptance")
+        assert re.search(r"\x1b\[(32|33|36)m", child.before), child.before
+        child.expect_exact(">>>")
+        child.send("/stats\r")
+        child.expect_exact("session: 1 answer, ")
+        child.expect_exact(">>>")
+        child.send("/set max_tokens 100000\r")
+        child.expect_exact("max_tokens = 100000")
+        child.expect_exact(">>>")
+        child.send("tell me everything\r")
+        for _ in range(5):
+            child.expect(r"\x1b\[(32|33|36)m")  # streaming
+        child.sendintr()
+        child.expect(r"interrupted \| \d+ tokens")
+        child.expect_exact(">>>")
+        child.send("/set max_tokens 20\r")
+        child.expect_exact("max_tokens = 20")
+        child.expect_exact(">>>")
+        child.send("and again\r")  # the session, and rank 1, go on
+        child.expect(r"\d+ tokens \| [\d.]+ tok/s \| acceptance")
+        child.expect_exact(">>>")
+        child.sendeof()
+        child.expect_exact("session: 3 answers (1 interrupted)")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
+    follower = int(log.read_text().split("(pid ")[1].split(")")[0])
+    assert not Path(f"/proc/{follower}").exists()  # no process left behind
+
+
+@pytest.mark.slow
+def test_bench_over_two_ranks_writes_the_same_columns(tmp_path, folders):
+    target, draft = folders
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello hello\nabc abc abc\n")
+
+    def report(*extra: str) -> dict:
+        result = specgen(tmp_path, "bench", str(prompts), "--target", str(target), "--draft", str(draft),
+                         "--dtype", "float32", "-n", "12", "--k", "2", "-q", "--format", "json", *extra)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    alone, split = report(), report("--tp", "2")
+    assert [sorted(row) for row in split["rows"]] == [sorted(row) for row in alone["rows"]]
+    assert len(split["rows"]) == len(alone["rows"]) > 0

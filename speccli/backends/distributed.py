@@ -19,8 +19,11 @@ command exits 1 with one line naming the rank.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,18 +73,45 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The elastic agent's own INFO/WARNING lines are not for a person at a terminal.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # The elastic agent's own lines are not for a person at a terminal (a failure is said below).
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The ranks run in sessions of their own, out of the terminal's reach: a Ctrl-C here goes
+    # to rank 0 alone, which decides what it stops (a chat turn, a generation), instead of the
+    # agent tearing every rank down.
+    pid_file = Path(tempfile.mkdtemp(prefix="specgen-tp-")) / "rank0.pid"
+    os.environ[PID_FILE_VARIABLE] = str(pid_file)
+
+    def to_rank0(signum, frame) -> None:
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGINT)
+        except (OSError, ValueError):  # rank 0 not started yet: stop everything
+            raise KeyboardInterrupt from None
+
+    previous = signal.signal(signal.SIGINT, to_rank0)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"specgen-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"localhost:{_free_port()}", max_restarts=0, monitor_interval=1,
+        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
     )
     try:
         elastic_launch(config, sys.executable)("-m", "speccli.cli", *argv)
     except ChildFailedError as failed:
         return _exit_code(failed.failures)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        shutil.rmtree(pid_file.parent, ignore_errors=True)
     return 0
+
+
+PID_FILE_VARIABLE = "SPECGEN_RANK0_PID_FILE"
+
+
+def announce_rank0() -> None:
+    """Rank 0 of specgen's own launch: tell the launcher where to send a Ctrl-C."""
+    path = os.environ.get(PID_FILE_VARIABLE)
+    if path and current().leads:
+        Path(path).write_text(str(os.getpid()))
 
 
 def _exit_code(failures: dict[int, Any]) -> int:
