@@ -741,7 +741,7 @@ def load_tokenizer(
             )
         memory = None
         if device.type == "cuda" and not resolved.is_gguf:
-            memory = check_memory(name, resolved, quant, dtype, device, config.trust_remote_code)
+            memory = check_memory(name, resolved, quant, dtype, device, config.trust_remote_code, config.tp)
     return PendingModel(
         name, config, resolved, tokenizer, device, dtype, quant, time.perf_counter() - started, backend, cache, memory
     )
@@ -791,16 +791,17 @@ def load_config(
 
 
 def check_memory(
-    name: str, resolved: ResolvedModel, quant: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool
+    name: str, resolved: ResolvedModel, quant: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
+    tp: int = 1,
 ) -> MemoryNeed:
-    """What the model needs on `device` in `quant`, from its config alone; a ModelLoadError
-    naming what would fit when that is more than the device has free."""
+    """What the model needs on `device` in `quant` (its share of `tp` ranks), from its config
+    alone; a ModelLoadError naming what would fit when that is more than the device has free."""
     from transformers import AutoConfig
 
     model_config = _from_pretrained(AutoConfig.from_pretrained, resolved, {"trust_remote_code": trust_remote_code})
     model = meta_model(model_config)
-    needs = {q: memory_need(model, q, dtype) for q in ALTERNATIVES}
-    need = needs[quant] if quant in needs else memory_need(model, quant, dtype)
+    needs = {q: memory_need(model, q, dtype, tp=tp) for q in ALTERNATIVES}
+    need = needs[quant] if quant in needs else memory_need(model, quant, dtype, tp=tp)
     free, _ = torch.cuda.mem_get_info(device)
     check_fits(name, need, quant, free, str(device), needs)
     return need
