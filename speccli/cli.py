@@ -66,9 +66,9 @@ def _default_target() -> str:
 
 
 def _default_draft() -> str:
-    from speccli.models.registry import DEFAULT_DRAFT
+    from speccli.models.drafts import AUTO
 
-    return DEFAULT_DRAFT
+    return AUTO
 
 
 @dataclass
@@ -149,13 +149,13 @@ def _run_guarded(body: Callable[[], int]) -> None:
 
 
 TARGET_HELP = "Target model: an alias (see `specgen models`), a Hugging Face hub id, a local folder, or a .gguf file."
-DRAFT_HELP = "Draft model (same forms as --target), `ngram` for prompt lookup or `lookahead` for lookahead decoding (no draft model: guesses from the text and from the target itself), `medusa[:PATH]` or `eagle[:PATH]` for heads trained on the target's own hidden states (`specgen train`; found in the cache without PATH), or `none` for plain target decoding."
+DRAFT_HELP = "auto: the smallest registered model sharing the target's tokenizer (its family first; the default target gets the offline draft), else prompt lookup, said on stderr (`specgen models --drafts-for TARGET` lists the choices). Or a draft model (same forms as --target), `ngram` for prompt lookup or `lookahead` for lookahead decoding (no draft model: guesses from the text and from the target itself), `medusa[:PATH]` or `eagle[:PATH]` for heads trained on the target's own hidden states (`specgen train`; found in the cache without PATH), or `none` for plain target decoding."
 
 
 
 # Options shared by generate, chat and bench: declared once.
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b")]
-DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help=DRAFT_HELP, show_default="qwen2.5-coder-0.5b")]
+DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help=DRAFT_HELP, show_default="auto")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0: off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Sample among the smallest set of tokens with this much mass.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu, cuda, cuda:N.")]
@@ -495,6 +495,12 @@ def plan(
         if dtype not in ("bfloat16", "float16", "float32"):
             raise UsageError(f"--dtype takes bfloat16, float16 or float32, not {dtype!r}")
         target_name, draft_name = target or _default_target(), draft or _default_draft()
+        if draft_name.strip().lower() == "auto":
+            from speccli.models.drafts import choose_draft
+
+            choice = choose_draft(target_name)
+            progress(f"draft: {choice.name} (--draft auto: {choice.reason})")
+            draft_name = choice.name
         target_resolved, target_config = load_config(target_name, trust_remote_code=trust_remote_code, progress=progress)
         draft_model = None
         if draft_name.strip().lower() not in PLANLESS_DRAFTS:
@@ -536,6 +542,7 @@ def models(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     show_converted: bool = typer.Option(False, "--converted", help="List only the converted weights kept in specgen's cache (GGUF files dequantized once, read by later starts)."),
     remove_converted: Optional[str] = typer.Option(None, "--remove-converted", metavar="NAME|all", help="Remove the converted weights of GGUF files whose name contains NAME, or all of them; the next start converts again."),
+    drafts_for: Optional[str] = typer.Option(None, "--drafts-for", metavar="TARGET", help="List the drafts that can serve TARGET (registered models sharing its tokenizer, heads trained here, the drafters without a model), marking the one --draft auto takes."),
 ) -> None:
     """List the model aliases, what each resolves to, and whether each is available offline,
     then the converted weights kept in specgen's cache.
@@ -551,6 +558,15 @@ def models(
 
         cache = default_cache_dir()
         progress = stderr_progress(False)
+        if drafts_for is not None:
+            from speccli.models.drafts import choose_draft, drafts_for as list_drafts
+
+            options = list_drafts(drafts_for, cache)
+            if as_json:
+                models_table.print_drafts_json(options)
+            else:
+                models_table.print_drafts_table(drafts_for, options, choose_draft(drafts_for).reason)
+            return 0
         if remove_converted is not None:
             removed = converted.remove(cache, None if remove_converted == "all" else remove_converted)
             for entry in removed:

@@ -19,6 +19,8 @@ from speccli.drafters.model import DEFAULT_STOP_CONFIDENCE, ModelDrafter
 from speccli.drafters.registry import DRAFTERS
 from speccli.loop import SpeculativeDecoder
 from speccli.models.compat import check_tokenizers_compatible, shared_vocab
+from speccli.models.drafts import AUTO as AUTO_DRAFT
+from speccli.models.drafts import choose_draft
 from speccli.models.loading import LoadedModel, PendingModel, dtype_name, load_tokenizer, load_weights
 from speccli.models.plan import check_pair_fits
 
@@ -104,6 +106,11 @@ def load_pipeline(
 
     Both tokenizers are loaded and compared before any weights, so that a mismatched
     draft is refused in seconds."""
+    if draft_name.strip().lower() == AUTO_DRAFT:
+        choice = choose_draft(target_name)
+        if progress is not None:
+            progress(f"draft: {choice.name} (--draft auto: {choice.reason})")
+        draft_name = choice.name
     key = draft_name.strip().lower()
     heads = head_draft(draft_name)
     if heads is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TextIO
 
 from speccli.models.converted import ConvertedEntry
+from speccli.models.drafts import DraftOption
 from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, ModelListing, format_size
 
 FOOTER = (
@@ -87,3 +88,23 @@ def print_converted_table(entries: list[ConvertedEntry], folder: Path, stream: T
         table.add_row(entry.source, entry.dtype, format_size(entry.size_bytes), entry.created)
     console.print(table)
     console.print("Remove them with `specgen models --remove-converted NAME` (or `all`); `--no-cache` skips them.")
+
+
+def print_drafts_json(options: list[DraftOption], stream: TextIO | None = None) -> None:
+    print(json.dumps([asdict(o) for o in options], ensure_ascii=False, indent=2), file=stream or sys.stdout)
+
+
+def print_drafts_table(target: str, options: list[DraftOption], reason: str, stream: TextIO | None = None) -> None:
+    from rich.table import Table
+
+    from speccli.ui.consoles import PipeAwareConsole
+
+    table = Table(title=f"drafts for {target}", title_justify="left")
+    for column in ("--draft", "kind", "what", "auto"):
+        table.add_column(column, no_wrap=column != "what")
+    for option in options:
+        table.add_row(option.name, option.kind, option.about, "<- auto" if option.auto else "")
+    stream = stream or sys.stdout
+    console = PipeAwareConsole(file=stream, width=None if stream.isatty() else 200)
+    console.print(table)
+    console.print(f"--draft auto: {reason}.", highlight=False)

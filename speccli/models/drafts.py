@@ -1,0 +1,113 @@
+"""Which drafts fit a target, and the one `--draft auto` takes. The registry decides: no
+network, no weights.
+
+A draft model must share the target's tokenizer. Models of one registry family do; Llama 3,
+3.1 and 3.2 share one tokenizer, as Qwen2.5 and Qwen2.5-Coder do (`TOKENIZER_GROUPS`).
+`--draft auto` takes, for a target the registry knows (an alias, or its Hub id):
+
+1. the smallest registered model of the target's own family that is smaller than it
+   (llama3-70b -> llama3-8b, qwen2.5-7b -> qwen2.5-0.5b, the default target -> the default
+   draft: the offline pair);
+2. else the smallest smaller model sharing its tokenizer (llama3.1-8b -> llama3.2-1b);
+3. else prompt lookup (`ngram`), which needs no model and never costs more than a pass.
+
+A target the registry does not know (a folder, a GGUF file, another Hub id) gets `ngram`:
+which small model shares its tokenizer is not known without reading both. The tokenizers of
+whatever draft is chosen are still compared before any weights load (speccli.models.compat).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from speccli.models.registry import ALIASES, Alias
+
+AUTO = "auto"
+PROMPT_LOOKUP = "ngram"
+TOKENIZER_GROUPS = {"llama3": "llama3", "llama3.1": "llama3", "llama3.2": "llama3", "qwen2.5": "qwen2.5",
+                    "qwen2.5-coder": "qwen2.5", "smollm2": "smollm2"}
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """A draft for a target, and in words why."""
+
+    name: str
+    reason: str
+
+
+def parameters(alias: Alias) -> float:
+    """The alias's parameter count as a number ("1.5B" -> 1.5e9, "135M" -> 1.35e8)."""
+    match = re.fullmatch(r"([\d.]+)([MB])", alias.params)
+    if match is None:
+        raise ValueError(f"alias {alias.name}: unreadable size {alias.params!r}")
+    return float(match.group(1)) * (1e9 if match.group(2) == "B" else 1e6)
+
+
+def registered(target: str) -> Alias | None:
+    """The registry's entry for `target`: by alias, or by its Hub id."""
+    key = target.strip()
+    if key.lower() in ALIASES:
+        return ALIASES[key.lower()]
+    return next((a for a in ALIASES.values() if a.hub_id.lower() == key.lower()), None)
+
+
+def draft_models_for(target: Alias) -> list[Alias]:
+    """Registered models smaller than `target` sharing its tokenizer: its own family first,
+    each part smallest first."""
+    group = TOKENIZER_GROUPS.get(target.family, target.family)
+    size = parameters(target)
+    smaller = [a for a in ALIASES.values()
+               if TOKENIZER_GROUPS.get(a.family, a.family) == group and parameters(a) < size]
+    return sorted(smaller, key=lambda a: (a.family != target.family, parameters(a), a.name))
+
+
+def choose_draft(target: str) -> DraftChoice:
+    """What `--draft auto` takes for `target` (see the module's docstring)."""
+    alias = registered(target)
+    if alias is None:
+        return DraftChoice(PROMPT_LOOKUP, f"{target} is not in specgen's registry, so no draft model is known to share"
+                                          " its tokenizer: prompt lookup (give --draft MODEL to use one)")
+    candidates = draft_models_for(alias)
+    if not candidates:
+        return DraftChoice(PROMPT_LOOKUP, f"no registered model is smaller than {alias.name} with its tokenizer:"
+                                          " prompt lookup")
+    best = candidates[0]
+    kind = "of its family" if best.family == alias.family else "with its tokenizer"
+    return DraftChoice(best.name, f"the smallest registered model {kind} ({best.params})")
+
+
+@dataclass(frozen=True)
+class DraftOption:
+    """One line of `specgen models --drafts-for`."""
+
+    name: str
+    kind: str  # "model", "heads", "drafter"
+    about: str
+    auto: bool = False
+
+
+def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
+    """Every draft that can serve `target`: registered models sharing its tokenizer, heads
+    trained here for it, and the drafters that need no model; the one auto takes marked."""
+    from speccli.heads.store import default_heads_path
+    from speccli.models import offline
+
+    chosen = choose_draft(target).name
+    options: list[DraftOption] = []
+    alias = registered(target)
+    for model in draft_models_for(alias) if alias is not None else []:
+        how = "same family" if model.family == alias.family else "same tokenizer"
+        options.append(DraftOption(model.name, "model", f"{model.description}, {model.params} ({how})",
+                                   model.name == chosen))
+    cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
+    for kind in ("medusa", "eagle"):
+        path = default_heads_path(cache, alias.name if alias else target, kind)
+        if path.is_file():
+            options.append(DraftOption(kind, "heads", f"{kind} heads trained here ({path})"))
+    options.append(DraftOption(PROMPT_LOOKUP, "drafter", "prompt lookup: continuations copied from the text so far",
+                               chosen == PROMPT_LOOKUP))
+    options.append(DraftOption("lookahead", "drafter", "lookahead decoding: n-grams the target's own passes propose"))
+    return options

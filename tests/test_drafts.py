@@ -1,0 +1,65 @@
+"""`--draft auto` and `specgen models --drafts-for` (speccli.models.drafts): the registry picks,
+with no network and no weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from speccli.cli import app
+from speccli.models.drafts import choose_draft, drafts_for
+from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+
+
+@pytest.mark.parametrize("target, draft", [
+    ("llama3-70b", "llama3-8b"),  # the tool's own example pair
+    ("meta-llama/Meta-Llama-3-70B-Instruct", "llama3-8b"),  # by Hub id
+    ("llama3.1-8b", "llama3.2-1b"),  # nothing smaller in its family: the same tokenizer's smallest
+    ("qwen2.5-7b", "qwen2.5-0.5b"),
+    (DEFAULT_TARGET, DEFAULT_DRAFT),  # the offline pair
+    ("someone/unknown-7b", "ngram"),
+    ("llama3.2-1b", "ngram"),  # the smallest of its tokenizer
+])
+def test_auto_picks_from_the_registry(target, draft):
+    assert choose_draft(target).name == draft
+
+
+def test_the_reason_is_said():
+    assert choose_draft("llama3-70b").reason == "the smallest registered model of its family (8B)"
+    assert "not in specgen's registry" in choose_draft("./my-model").reason
+
+
+def test_drafts_for_lists_models_heads_and_drafters(tmp_path):
+    from speccli.heads.store import default_heads_path
+
+    heads = default_heads_path(tmp_path, "llama3.1-70b", "eagle")
+    heads.parent.mkdir(parents=True)
+    heads.write_bytes(b"")
+    options = drafts_for("llama3.1-70b", tmp_path)
+    assert [o.name for o in options] == ["llama3.1-8b", "llama3.2-1b", "llama3.2-3b", "llama3-8b", "eagle", "ngram",
+                                         "lookahead"]
+    assert [o.name for o in options if o.auto] == ["llama3.1-8b"]
+
+
+def test_models_drafts_for_in_json_and_as_a_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
+    listed = CliRunner().invoke(app, ["models", "--drafts-for", "qwen2.5-7b", "--json"])
+    assert listed.exit_code == 0
+    items = json.loads(listed.stdout)
+    assert items[0] == {"name": "qwen2.5-0.5b", "kind": "model", "about": "Qwen2.5 0.5B Instruct, 0.5B (same family)",
+                        "auto": True}
+    table = CliRunner().invoke(app, ["models", "--drafts-for", "someone/unknown-7b"])
+    assert "--draft auto: someone/unknown-7b is not in specgen's registry" in table.stdout
+
+
+def test_generate_says_what_auto_chose(tmp_path, tokenizer, monkeypatch):
+    from conftest import save_model_folder, tiny_llama
+
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
+    folder = save_model_folder(tiny_llama(len(tokenizer), seed=1), tokenizer, tmp_path / "mine")
+    result = CliRunner().invoke(app, ["generate", "abc", "--target", str(folder), "--device", "cpu", "--dtype",
+                                      "float32", "-n", "4"])
+    assert result.exit_code == 0, result.stderr
+    assert f"draft: ngram (--draft auto: {folder} is not in specgen's registry" in result.stderr
