@@ -181,5 +181,5 @@ def test_a_mismatched_draft_is_refused_before_its_weights_load(tmp_path, monkeyp
     assert result.exit_code == 2, result.output
     lines = result.stderr.splitlines()
     assert lines[0] == "error: tokenizers differ at id 3: target 'a' vs draft 'z' (26 of 29 shared ids differ)"
-    assert lines[1].startswith("hint: pick a draft of the same model family")
+    assert lines[1].startswith("hint: use --draft auto, ngram, or a draft of the target's family")
     assert "Traceback" not in result.stderr

@@ -19,7 +19,8 @@ __all__ = ["SharedVocab", "check_tokenizers_compatible", "shared_vocab"]
 
 SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
 
-_HINT = "pick a draft of the same model family as the target (same tokenizer); `specgen models` lists the families"
+_HINT = ("use --draft auto, ngram, or a draft of the target's family (same tokenizer);"
+         " `specgen models --drafts-for TARGET` lists them")
 
 
 def _id_to_token(tokenizer: Any, size: int) -> list[str | None]:
