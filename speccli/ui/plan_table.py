@@ -51,5 +51,10 @@ def print_table(plan: PairPlan, stream: TextIO | None = None) -> None:
     stream = stream or sys.stdout
     console = PipeAwareConsole(file=stream, width=None if stream.isatty() else 200)
     console.print(table)
-    memory = "not known" if plan.gpu_bytes is None else f"{gb(plan.gpu_bytes)} per GPU, {plan.gpus} GPU(s)"
+    if plan.gpu_bytes is None:
+        memory = "not known"
+    elif plan.gpus:
+        memory = f"{gb(plan.gpu_bytes)} free on each of {plan.gpus} GPU(s)"
+    else:
+        memory = f"{gb(plan.gpu_bytes)} per GPU (--gpu-memory)"
     console.print(f"GPU memory: {memory}.\nVerdict: {plan.verdict()}.", highlight=False)
