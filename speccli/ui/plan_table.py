@@ -53,8 +53,6 @@ def print_table(plan: PairPlan, stream: TextIO | None = None) -> None:
     console.print(table)
     if plan.gpu_bytes is None:
         memory = "not known"
-    elif plan.gpus:
-        memory = f"{gb(plan.gpu_bytes)} free on each of {plan.gpus} GPU(s)"
     else:
-        memory = f"{gb(plan.gpu_bytes)} per GPU (--gpu-memory)"
+        memory = f"{gb(plan.gpu_bytes)} per GPU" + (f", {plan.gpus} GPU(s) here" if plan.gpus else "")
     console.print(f"GPU memory: {memory}.\nVerdict: {plan.verdict()}.", highlight=False)
