@@ -209,7 +209,7 @@ def with_load_options(command: Callable[..., None]) -> Callable[..., None]:
         load = {name: kwargs.pop(name) for name, _, _ in LOAD_OPTIONS}
         from speccli.backends import distributed
 
-        if load["tp"] > 1 or distributed.launched():
+        if load["tp"] > 1 or distributed.current().size > 1:
             return _tensor_parallel(command, kwargs, load)
         return command(**kwargs, load=load)
 
