@@ -800,10 +800,10 @@ def check_memory(
 
     model_config = _from_pretrained(AutoConfig.from_pretrained, resolved, {"trust_remote_code": trust_remote_code})
     model = meta_model(model_config)
-    needs = {q: memory_need(model, q, dtype, tp=tp) for q in ALTERNATIVES}
-    need = needs[quant] if quant in needs else memory_need(model, quant, dtype, tp=tp)
+    need = memory_need(model, quant, dtype, tp=tp)
     free, _ = torch.cuda.mem_get_info(device)
-    check_fits(name, need, quant, free, str(device), needs)
+    if need.total > free:  # what would fit instead: only worth counting for the refusal
+        check_fits(name, need, quant, free, str(device), {q: memory_need(model, q, dtype, tp=tp) for q in ALTERNATIVES})
     return need
 
 
