@@ -220,14 +220,22 @@ def quantize(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
     raise ValueError(f"unknown weight format {fmt!r}")
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a one-token pass reads: every parameter and buffer but the input embedding
-    (one row of it is read)."""
-    embedding = model.get_input_embeddings().weight
-    total = sum(t.numel() * t.element_size() for t in model.state_dict().values() if t.data_ptr() != embedding.data_ptr())
-    if model.get_output_embeddings() is not None and model.get_output_embeddings().weight.data_ptr() == embedding.data_ptr():
-        total += embedding.numel() * embedding.element_size()  # tied: the head reads it whole
-    return total
+# Each format's name in speccli.models.plan, which counts its bytes from the architecture
+# (a quantized model's own tensors are packed or subclassed: their numel says little).
+PLAN_QUANT = {"bf16": "none", "int4": "int4", "int4-hqq": "int4", "nf4": "4bit", "fp8": "fp8"}
+
+
+def weight_bytes(model: torch.nn.Module, fmt: str) -> int:
+    """Bytes a one-token pass reads in `fmt`: the weights but the input embedding (one row of
+    it is read; a tied one is the output layer too, read whole)."""
+    from speccli.models.plan import memory_need, meta_model
+
+    shape = meta_model(model.config)
+    total = memory_need(shape, PLAN_QUANT[fmt.removesuffix("+compile")], torch.bfloat16).weights
+    embedding = shape.get_input_embeddings().weight
+    if shape.get_output_embeddings() is None or shape.get_output_embeddings().weight is not embedding:
+        total -= embedding.numel() * 2
+    return round(total)
 
 
 # ---------------------------------------------------------------------------- stages
@@ -430,7 +438,7 @@ def profile(plan: Plan, device: torch.device, clock: Clock, target, fmt: str, st
 
 def pass_costs(plan: Plan, device: torch.device, clock: Clock, target, drafts: dict, fmt: str, bandwidth: float) -> dict:
     lm = StaticCausalLM(target, capacity=max(plan.contexts) + max(plan.sizes) + 8, compile=compiled(fmt))
-    rows: dict[str, Any] = {"format": fmt, "weight_bytes": weight_bytes(target), "graphs_error": None, "contexts": {}}
+    rows: dict[str, Any] = {"format": fmt, "weight_bytes": weight_bytes(target, fmt), "graphs_error": None, "contexts": {}}
     for context in plan.contexts:
         clock.check(f"{fmt} passes at {context} tokens")
         curve = measure_costs(lm, None, max(plan.sizes), repeats=3, context_tokens=context, sizes=plan.sizes)
@@ -530,9 +538,10 @@ def hf_generate_speed(model, prompts: list[list[int]], new_tokens: int, **kwargs
     return {"tokens_per_s": round(len(prompts) * new_tokens / seconds, 2)}
 
 
-def peers(plan: Plan, clock: Clock, target) -> dict:
-    """transformers' own decoding of the same weights: eager `generate`, and its documented
-    fast path (a static cache, which `generate` compiles with torch.compile)."""
+def peers(plan: Plan, device: torch.device, clock: Clock) -> dict:
+    """transformers' own decoding of the bf16 target's weights: eager `generate`, and its
+    documented fast path (a static cache, which `generate` compiles with torch.compile)."""
+    target, _ = build_target(plan, device, torch.bfloat16)
     prompts = prompts_for(plan, target.config.vocab_size, seed=11)
     result: dict[str, Any] = {}
     for name, kwargs in (("hf-eager", {}), ("hf-static-compile", {"cache_implementation": "static"})):
@@ -717,6 +726,11 @@ def main() -> int:
                                         lambda clock: correctness(plan, device, text, clock)) or {}
     report.data["pass_costs"], report.data["speed"], report.data["profile"] = {}, {}, {}
     drafts = {"self": None, "0.5b": build_draft(plan, device, torch.bfloat16)}
+
+    def run_peers() -> None:
+        report.data["peers"] = staged(report, "peers", share("peers"), lambda clock: peers(plan, device, clock)) or {}
+        free(device)
+
     bandwidth = env.get("copy_bandwidth_gbs", 0.0) if device.type == "cuda" else 0.0
     if TRACES.is_file():
         report.data["projection"] = staged(report, "projection", share("projection"),
@@ -727,7 +741,9 @@ def main() -> int:
         if left < 10:
             report.data["pass_costs"][fmt] = {"error": "out of time before this format"}
             continue
-        per_format = left / (len(formats) - index) - (share("peers") if index == 0 else 0.0)
+        per_format = (left - (share("peers") if "peers" not in report.data else 0.0)) / (len(formats) - index)
+        if compiled(fmt) and "peers" not in report.data:
+            run_peers()  # before the compiled format: a compile cannot be cut short
         target, drafts["self"] = build_target(plan, device, torch.bfloat16)
         try:
             quantize(target, fmt.removesuffix("+compile"))
@@ -747,13 +763,12 @@ def main() -> int:
         runs = staged(report, f"speed {fmt}", per_format * 0.6,
                       lambda clock: speed(plan, device, clock, text, target, drafts, costs or {}, fmt))
         report.data["speed"][fmt] = runs or {"error": report.data.get("errors", {}).get(f"speed {fmt}", "")}
-        if index == 0:
-            report.data["peers"] = staged(report, "peers", share("peers"),
-                                          lambda clock: peers(plan, clock, target)) or {}
         report.save()
         del target
         drafts["self"] = None
         free(device)
+    if "peers" not in report.data:
+        run_peers()
     report.data["seconds"] = round(time.perf_counter() - started, 1)
     report.save()
     log(f"done in {report.data['seconds']} s: {args.out / 'gpu_check.md'}")

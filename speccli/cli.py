@@ -581,7 +581,11 @@ def models(
             else:
                 models_table.print_converted_table(kept, cache / converted.FOLDER)
             return 0
-        listings = list_models()
+        from dataclasses import replace
+
+        from speccli.models.plan import local_weight_sizes
+
+        listings = [replace(item, weights=local_weight_sizes(item.alias, cache)) for item in list_models()]
         if as_json:
             models_table.print_json(listings)
         else:

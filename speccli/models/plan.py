@@ -211,3 +211,40 @@ def plan_pair(
             suggestions.append(f"--quant {smaller}, {size / GB:.0f} GB, {where}")
     return PairPlan(target_name, draft_name, quant, draft_quant, tp, kv_tokens, target_need, draft_need, weights,
                     gpu_bytes, gpus, tuple(suggestions))
+
+
+WEIGHT_FORMATS = (("bf16", "none"), ("8bit", "8bit"), ("4bit", "4bit"))
+
+
+def local_weight_sizes(alias_name: str, cache_dir) -> dict[str, int] | None:
+    """An alias's weights in bf16, 8-bit and 4-bit (NF4), from a config found on this machine
+    without the network (an installed offline package, the Hugging Face cache); None when
+    there is none here (`specgen plan --target ALIAS` reads it from the Hub)."""
+    config = _local_config(alias_name, cache_dir)
+    if config is None:
+        return None
+    model = meta_model(config)
+    return {name: round(memory_need(model, quant, torch.bfloat16).weights) for name, quant in WEIGHT_FORMATS}
+
+
+def _local_config(alias_name: str, cache_dir):
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from speccli.models import offline
+    from speccli.models.gguf_weights import share_metadata_parse
+    from speccli.models.registry import ALIASES
+
+    alias = ALIASES[alias_name]
+    package = offline.OFFLINE_MODELS.get(alias.offline) if alias.offline else None
+    parts = offline.installed_parts(package) if package is not None else None
+    if parts is not None:
+        gguf = parts[0] if package.single_part else Path(cache_dir) / package.filename
+        if gguf.is_file():
+            share_metadata_parse()
+            return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    try:
+        return AutoConfig.from_pretrained(alias.hub_id, local_files_only=True)
+    except (OSError, ValueError):
+        return None

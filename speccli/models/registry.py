@@ -307,6 +307,7 @@ class ModelListing:
     size_bytes: int | None  # on disk, when known
     description: str
     note: str = ""  # e.g. how to install the offline package, or that the repo is gated
+    weights: dict[str, int] | None = None  # bytes in bf16, 8bit, 4bit, where a config is here (speccli.models.plan)
 
 
 def format_size(n: int | None) -> str:

@@ -13,6 +13,7 @@ from speccli.models.drafts import DraftOption
 from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, ModelListing, format_size
 
 FOOTER = (
+    "Weights: on a GPU, from the model's config where it is on this machine (else `specgen plan --target ALIAS`). "
     "Also accepted: a Hugging Face hub id (owner/name), a local model folder, a .gguf file,"
     " and for --draft: `ngram` (prompt lookup), `lookahead` (lookahead decoding), `medusa` or `eagle`"
     " (heads trained with `specgen train`; see `specgen heads`) or `none`."
@@ -28,11 +29,13 @@ def print_table(listings: list[ModelListing], stream: TextIO | None = None) -> N
     from rich.table import Table
 
     table = Table(title="specgen models", title_justify="left")
-    for column in ("alias", "family", "params", "resolves to", "available", "size"):
+    for column in ("alias", "family", "params", "resolves to", "available", "size", "weights bf16 / 8-bit / 4-bit"):
         table.add_column(column, no_wrap=column != "resolves to")
     for item in listings:
         default = {DEFAULT_TARGET: " (default target)", DEFAULT_DRAFT: " (default draft)"}.get(item.alias, "")
-        table.add_row(item.alias + default, item.family, item.params, item.resolves_to, item.availability, format_size(item.size_bytes))
+        weights = " / ".join(format_size(item.weights[f]) for f in ("bf16", "8bit", "4bit")) if item.weights else "-"
+        table.add_row(item.alias + default, item.family, item.params, item.resolves_to, item.availability,
+                      format_size(item.size_bytes), weights)
     stream = stream or sys.stdout
     console = PipeAwareConsole(file=stream, width=None if stream.isatty() else 200)
     console.print(table)
