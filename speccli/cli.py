@@ -232,7 +232,7 @@ def _tensor_parallel(command: Callable[..., None], kwargs: dict, load: dict) -> 
     load["tp"] = rank.size
     distributed.announce_rank0()
     distributed.quiet_other_ranks()
-    distributed.join()
+    distributed.join(load["device"])
     if not rank.leads:
         _run_guarded(lambda: _follow(kwargs, load))
         return

@@ -158,3 +158,15 @@ def test_bench_over_two_ranks_writes_the_same_columns(tmp_path, folders):
     alone, split = report(), report("--tp", "2")
     assert [sorted(row) for row in split["rows"]] == [sorted(row) for row in alone["rows"]]
     assert len(split["rows"]) == len(alone["rows"]) > 0
+
+
+def test_each_rank_takes_its_local_gpu_unless_told_the_cpu(monkeypatch):
+    import torch
+
+    from speccli.backends.distributed import Rank, device_for
+
+    rank = Rank(index=3, size=4, local=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device_for(rank) == torch.device("cuda", 1) and device_for(rank, "cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_for(rank) == torch.device("cpu")

@@ -152,21 +152,21 @@ def quiet_other_ranks() -> None:
     os.close(devnull)
 
 
-def device_for(rank: Rank) -> torch.device:
-    """Each rank's device: its local GPU, or the CPU (gloo) without GPUs."""
-    if torch.cuda.is_available():
+def device_for(rank: Rank, device: str = "auto") -> torch.device:
+    """Each rank's device: its local GPU, or the CPU (gloo) without GPUs or with `--device cpu`."""
+    if device != "cpu" and torch.cuda.is_available():
         return torch.device("cuda", rank.local)
     return torch.device("cpu")
 
 
-def join() -> None:
+def join(device: str = "auto") -> None:
     """Join the launcher's process group (NCCL on CUDA, gloo on the CPU) if not joined yet."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     rank = current()
-    if torch.cuda.is_available():
+    if device_for(rank, device).type == "cuda":
         torch.cuda.set_device(rank.local)
         dist.init_process_group("nccl", device_id=torch.device("cuda", rank.local))
     else:

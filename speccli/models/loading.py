@@ -769,7 +769,7 @@ def _tensor_parallel_device(name: str, config: LoadConfig, resolved: ResolvedMod
             f"--tp {config.tp} splits unquantized weights; --quant {config.quant} is not split by transformers' plan",
             hint="use --quant none (or auto) with --tp, or drop --tp to quantize on one GPU",
         )
-    return device_for(current())
+    return device_for(current(), config.device)
 
 
 def load_config(
