@@ -479,9 +479,11 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     quiet: QuietOpt = False,
 ) -> None:
-    """What a target and draft need on GPUs, from their configs alone (no weights are read or
-    downloaded): weights, KV cache and working memory per GPU, against the visible GPUs' free
-    memory or --gpu-memory, and what would fit when they do not. Exit code 2 when they do not."""
+    """What a target and draft need on GPUs, and whether they fit.
+
+    From the models' configs alone (no weights are read or downloaded): weights, KV cache and
+    working memory per GPU, against the visible GPUs' free memory or --gpu-memory, and what
+    would fit when they do not. Exit code 2 when they do not."""
 
     def body() -> int:
         from speccli.models.loading import DTYPES, load_config
