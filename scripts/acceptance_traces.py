@@ -9,7 +9,7 @@ mismatch. So one teacher-forced pass of the draft over each of the target's gree
 picks the target's token there ("matches"), and from the matches any draft length replays:
 
     python scripts/acceptance_traces.py benchmarks/results/benchmark-2026-12-05-amx-float32-lookahead-trees.json \
-        --out benchmarks/results/acceptance-traces-qwen2.5-coder-float32.json
+        --out scripts/data/acceptance-traces-qwen2.5-coder-float32.json
 
 `project()` replays them against a pass-cost curve (scripts/gpu_check.py measures the same
 shapes' curve on a GPU): per step k draft tokens, one verification of k + 1, and the tokens

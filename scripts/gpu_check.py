@@ -71,7 +71,7 @@ SHARES = {"environment": 0.03, "correctness": 0.2, "profile": 0.05, "peers": 0.2
 # The real offline pair's shapes (Qwen2.5-Coder 1.5B target, 0.5B draft) for the projection.
 PAIR_TARGET = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                    intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)
-TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "acceptance-traces-qwen2.5-coder-float32.json"
+TRACES = Path(__file__).resolve().parent / "data" / "acceptance-traces-qwen2.5-coder-float32.json"
 
 
 @dataclass(frozen=True)
