@@ -248,9 +248,14 @@ def _tensor_parallel(command: Callable[..., None], kwargs: dict, load: dict) -> 
 def _check_tensor_parallel(kwargs: dict, load: dict) -> int:
     from speccli.models.loading import check_tensor_parallel
 
-    target_config, _ = ModelOptions(kwargs.get("target") or _default_target(), "none", **load).configs()
-    check_tensor_parallel(kwargs.get("target") or _default_target(), target_config)
+    options = _target_alone(kwargs, load)
+    check_tensor_parallel(options.target, options.configs()[0])
     return 0
+
+
+def _target_alone(kwargs: dict, load: dict) -> ModelOptions:
+    """The command's target with no draft: what the ranks other than 0 load."""
+    return ModelOptions(kwargs.get("target") or _default_target(), "none", **load)
 
 
 def _refuse(message: str, hint: str) -> int:
@@ -266,7 +271,7 @@ def _follow(kwargs: dict, load: dict) -> int:
     rank = distributed.current()
     print(f"specgen: rank {rank.index} of {rank.size} (pid {os.getpid()}): loading its shard of the target,"
           " then running rank 0's passes", file=sys.stderr, flush=True)
-    options = ModelOptions(kwargs.get("target") or _default_target(), "none", **load)
+    options = _target_alone(kwargs, load)
     target_config, _ = options.configs()
     loaded = load_model(options.target, target_config)
     distributed.follow(causal_lm(loaded, target_config.cuda_graphs, target_config.compile))

@@ -223,12 +223,21 @@ def share_metadata_parse() -> None:
         gguf_utils.load_gguf_checkpoint = shared
 
 
+def gguf_config(path: Path) -> Any:
+    """transformers' config for the GGUF file at `path`, from its header (`share_metadata_parse`:
+    the tokenizer's conversion may have parsed it already)."""
+    from transformers import AutoConfig
+
+    share_metadata_parse()
+    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 def load_causal_lm(path: Path, dtype: torch.dtype, device_map: dict[str, Any] | None, progress: TensorProgress | None = None) -> Any:
     """The model ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)``
     gives for the GGUF file at ``path``, with the same weights bit for bit, several times faster.
     None where transformers' own loader should run instead: an architecture its new GGUF loader
     covers, or a config with no causal-LM class. Raises GgufFormatError for a damaged file."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     header = read_header(path)
     try:
@@ -238,8 +247,7 @@ def load_causal_lm(path: Path, dtype: torch.dtype, device_map: dict[str, Any] | 
     else:
         if is_gguf_arch_supported(header.architecture):
             return None
-    share_metadata_parse()  # the tokenizer's conversion may have parsed it already
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config = gguf_config(path)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         return None
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]

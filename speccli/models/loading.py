@@ -777,17 +777,21 @@ def load_config(
 ) -> tuple[ResolvedModel, Any]:
     """A model's transformers config and where it lives, without its weights: config.json from
     a folder or the Hub, a GGUF file's header (an offline package is assembled first)."""
-    from transformers import AutoConfig
-
-    from speccli.models.gguf_weights import share_metadata_parse
-
     cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
     resolved = resolve(name, cache, progress)
     with _explaining(name, resolved, "none", torch.device("cpu")):
-        if resolved.is_gguf:
-            share_metadata_parse()  # the header alone, not transformers' slow read of the vocabulary
-            return resolved, AutoConfig.from_pretrained(resolved.location, gguf_file=resolved.gguf_file)
-        return resolved, _from_pretrained(AutoConfig.from_pretrained, resolved, {"trust_remote_code": trust_remote_code})
+        return resolved, _model_config(resolved, trust_remote_code)
+
+
+def _model_config(resolved: ResolvedModel, trust_remote_code: bool) -> Any:
+    """The config of a resolved model: its GGUF header, or config.json (the Hub's cache first)."""
+    from transformers import AutoConfig
+
+    from speccli.models.gguf_weights import gguf_config
+
+    if resolved.is_gguf:
+        return gguf_config(resolved.gguf_path)
+    return _from_pretrained(AutoConfig.from_pretrained, resolved, {"trust_remote_code": trust_remote_code})
 
 
 def check_memory(
@@ -796,10 +800,7 @@ def check_memory(
 ) -> MemoryNeed:
     """What the model needs on `device` in `quant` (its share of `tp` ranks), from its config
     alone; a ModelLoadError naming what would fit when that is more than the device has free."""
-    from transformers import AutoConfig
-
-    model_config = _from_pretrained(AutoConfig.from_pretrained, resolved, {"trust_remote_code": trust_remote_code})
-    model = meta_model(model_config)
+    model = meta_model(_model_config(resolved, trust_remote_code))
     need = memory_need(model, quant, dtype, tp=tp)
     free, _ = torch.cuda.mem_get_info(device)
     if need.total > free:  # what would fit instead: only worth counting for the refusal

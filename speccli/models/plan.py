@@ -104,10 +104,9 @@ def check_fits(name: str, need: MemoryNeed, quant: str, free: float, device: str
     `free` bytes, naming the quantizations in `alternatives` that would fit."""
     if need.total <= free:
         return
-    shown = "none" if quant == "none" else quant
     fitting = [f"--quant {q} ({n.total / GB:.1f} GB)" for q, n in alternatives.items() if n.total <= free and q != quant]
     raise ModelLoadError(
-        f"{name} in {shown} needs {need.total / GB:.1f} GB on {device} ({need.weights / GB:.1f} GB of weights, "
+        f"{name} in {quant} needs {need.total / GB:.1f} GB on {device} ({need.weights / GB:.1f} GB of weights, "
         f"{need.kv_cache / GB:.1f} GB of KV cache for {KV_TOKENS:,} tokens, {need.working / GB:.1f} GB working), "
         f"and {free / GB:.1f} GB is free",
         hint=("use " + " or ".join(fitting)) if fitting else "use a smaller model, or free memory on that GPU",
@@ -233,7 +232,7 @@ def _local_config(alias_name: str, cache_dir):
     from transformers import AutoConfig
 
     from speccli.models import offline
-    from speccli.models.gguf_weights import share_metadata_parse
+    from speccli.models.gguf_weights import gguf_config
     from speccli.models.registry import ALIASES
 
     alias = ALIASES[alias_name]
@@ -242,8 +241,7 @@ def _local_config(alias_name: str, cache_dir):
     if parts is not None:
         gguf = parts[0] if package.single_part else Path(cache_dir) / package.filename
         if gguf.is_file():
-            share_metadata_parse()
-            return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            return gguf_config(gguf)
     try:
         return AutoConfig.from_pretrained(alias.hub_id, local_files_only=True)
     except (OSError, ValueError):
