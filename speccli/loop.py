@@ -69,7 +69,7 @@ class SpeculativeDecoder:
         self.prior = prior
         self.k_auto = KAuto()
         if self._needs_hidden:
-            target.capture_hidden()
+            target.capture_hidden(drafter.feature_layers)
 
     @property
     def costs(self) -> CostCurve | None:

@@ -21,22 +21,51 @@ from speccli.loop import SpeculativeDecoder
 from speccli.models.compat import check_tokenizers_compatible, shared_vocab
 from speccli.models.drafts import AUTO as AUTO_DRAFT
 from speccli.models.drafts import choose_draft
-from speccli.models.loading import LoadedModel, PendingModel, dtype_name, load_tokenizer, load_weights
+from speccli.models.loading import (
+    LoadedModel,
+    PendingModel,
+    choose_device,
+    dtype_name,
+    load_tokenizer,
+    load_weights,
+    model_config,
+)
 from speccli.models.plan import check_pair_fits
 
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.api import Speculator
 
 NO_DRAFT = "none"
-HEAD_DRAFTS = ("medusa", "eagle")
+HEAD_DRAFTS = ("medusa", "eagle", "eagle3")
 
 
-def head_draft(name: str) -> tuple[str, Path | None] | None:
-    """(kind, path or None) for `medusa[:PATH]` / `eagle[:PATH]`; None for any other draft."""
-    kind, colon, path = name.strip().partition(":")
-    if kind.lower() not in HEAD_DRAFTS or (colon and not path):
+@dataclass(frozen=True)
+class HeadDraft:
+    """`--draft medusa|eagle|eagle3[:SOURCE]`: heads `specgen train` saved (the default place,
+    or a heads file), or a published head (a folder or a Hub id; `eagle3` alone: the head the
+    registry has for the target)."""
+
+    kind: str
+    source: str | None = None
+
+    @property
+    def published(self) -> bool:
+        if self.kind == "eagle3":
+            return True
+        return self.source is not None and not Path(self.source).expanduser().is_file()
+
+    @property
+    def path(self) -> Path | None:
+        """The heads file `specgen train` wrote, for heads of its own."""
+        return None if self.published or self.source is None else Path(self.source).expanduser()
+
+
+def head_draft(name: str) -> HeadDraft | None:
+    """The heads `name` asks for; None for any other draft."""
+    kind, colon, source = name.strip().partition(":")
+    if kind.lower() not in HEAD_DRAFTS or (colon and not source):
         return None
-    return kind.lower(), Path(path).expanduser() if path else None
+    return HeadDraft(kind.lower(), source or None)
 
 
 @dataclass
@@ -107,15 +136,18 @@ def load_pipeline(
     Both tokenizers are loaded and compared before any weights, so that a mismatched
     draft is refused in seconds."""
     if draft_name.strip().lower() == AUTO_DRAFT:
-        choice = choose_draft(target_name)
+        choice = choose_draft(target_name, cuda=choose_device(target_config.device).type == "cuda")
         if progress is not None:
             progress(f"draft: {choice.name} (--draft auto: {choice.reason})")
         draft_name = choice.name
     key = draft_name.strip().lower()
     heads = head_draft(draft_name)
     if heads is not None:
-        target_config = _transformers_for_heads(target_config, heads[0])
+        target_config = _transformers_for_heads(target_config, heads.kind)
     pending_target = load_tokenizer(target_name, target_config, progress=progress)
+    published = None
+    if heads is not None and heads.published:
+        published = _published_head(heads, pending_target, progress)
     pending_draft = None
     if key not in DRAFTERS and key != NO_DRAFT and heads is None:
         pending_draft = load_tokenizer(draft_name, draft_config, progress=progress)
@@ -132,8 +164,12 @@ def load_pipeline(
     drafter: Drafter | None
     if key in DRAFTERS:
         drafter = DRAFTERS[key]()
+    elif published is not None:
+        from speccli.heads.published_drafter import published_drafter
+
+        drafter = published_drafter(published, target.model)
     elif heads is not None:
-        drafter = head_drafter(target, *heads, progress=progress)
+        drafter = head_drafter(target, heads.kind, heads.path, progress=progress)
     elif pending_draft is None:
         drafter = None
     else:
@@ -143,6 +179,32 @@ def load_pipeline(
         )
     decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
+
+
+def _published_head(heads: HeadDraft, target: PendingModel, progress: Callable[[str], None] | None):
+    """The published head `heads` names, read as far as its config and checked against the
+    target's config: a head for another target is refused before any weights load."""
+    from speccli.heads.published import check_head, read_head
+    from speccli.heads.store import HeadsMismatch
+    from speccli.models.drafts import heads_for, registered
+
+    source = heads.source
+    if source is None:
+        found = heads_for(target.name, heads.kind)
+        if not found:
+            raise HeadsMismatch(
+                f"no published {heads.kind} head is registered for {target.name}",
+                hint=f"give one: --draft {heads.kind}:HUB_ID|FOLDER  (see specgen models --drafts-for {target.name})",
+            )
+        source = found[0].hub_id
+    head = read_head(source, heads.kind, progress)
+    alias = registered(target.name)
+    warning = check_head(head, model_config(target), target.name, alias.hub_id if alias else None)
+    if progress is not None:
+        progress(f"draft: {head.label}")
+        if warning:
+            progress(f"warning: {warning}")
+    return head
 
 
 def _check_pair_memory(target: PendingModel, draft: PendingModel) -> None:
@@ -261,6 +323,7 @@ def head_drafter(
 ) -> Drafter:
     """A Medusa or EAGLE drafter for the loaded target, from `path` or from where `specgen
     train` saves heads for it. Heads trained for another target are refused (HeadsMismatch)."""
+    from speccli.drafters.eagle_layer import OutputRows
     from speccli.drafters.heads import EagleDrafter, MedusaDrafter
     from speccli.heads.store import HeadsMismatch, default_heads_path, load_heads
     from speccli.models import offline
@@ -285,4 +348,4 @@ def head_drafter(
     if kind == "medusa":
         return MedusaDrafter(heads.module, heads.vocab, dtype)
     rows = model.get_output_embeddings().weight.detach()[heads.vocab.ids.to(device)]
-    return EagleDrafter(heads.module, heads.vocab, embeddings, rows, DEFAULT_STOP_CONFIDENCE, dtype)
+    return EagleDrafter(heads.module, heads.vocab, embeddings, OutputRows(rows), DEFAULT_STOP_CONFIDENCE, dtype)

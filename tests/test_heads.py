@@ -15,7 +15,7 @@ from speccli.config import SamplingConfig, SpecConfig
 from speccli.drafters.heads import EagleDrafter, MedusaDrafter
 from speccli.events import Provenance, StepEvent, TokenEvent
 from speccli.heads.corpus import Corpus, build_corpus
-from speccli.drafters.eagle_layer import EagleHead
+from speccli.drafters.eagle_layer import EagleHead, OutputRows
 from speccli.heads.features import extract
 from speccli.drafters.medusa_heads import MedusaHeads
 from speccli.heads.store import Heads, HeadsMismatch, load_heads, save_heads, target_identity
@@ -279,7 +279,7 @@ def eagle_drafter(target, vocab: DraftVocab | None = None, seed: int = 0) -> Eag
     head = EagleHead(target.config)
     head.init_from_target(target)
     rows = target.lm_head.weight.detach()[vocab.ids]
-    return EagleDrafter(head, vocab, target.get_input_embeddings(), rows, dtype=torch.float32)
+    return EagleDrafter(head, vocab, target.get_input_embeddings(), OutputRows(rows), dtype=torch.float32)
 
 
 DRAFTERS = {"medusa": medusa_drafter, "eagle": eagle_drafter}
@@ -291,7 +291,7 @@ def trained_drafter(trained, kind: str):
     if kind == "medusa":
         return MedusaDrafter(trainer.module, trainer.vocab, torch.float32)
     rows = target.lm_head.weight.detach()[trainer.vocab.ids]
-    return EagleDrafter(trainer.module, trainer.vocab, target.get_input_embeddings(), rows, dtype=torch.float32)
+    return EagleDrafter(trainer.module, trainer.vocab, target.get_input_embeddings(), OutputRows(rows), dtype=torch.float32)
 
 
 CODE_PROMPTS = ["def add(a, b):\n", "for i in range(10):\n    print(", "class Point:\n    def", "def mul(a, b):\n    return"]

@@ -207,6 +207,7 @@ def test_alias_table():
         "llama3-8b": "meta-llama/Meta-Llama-3-8B-Instruct",
         "llama3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
         "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+        "llama3.3-70b": "meta-llama/Llama-3.3-70B-Instruct",
         "llama3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
         "llama3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
         **{f"qwen2.5-{s.lower()}": f"Qwen/Qwen2.5-{s}-Instruct" for s in ("0.5B", "1.5B", "3B", "7B", "14B", "32B", "72B")},
@@ -214,6 +215,8 @@ def test_alias_table():
             f"qwen2.5-coder-{s.lower()}": f"Qwen/Qwen2.5-Coder-{s}-Instruct"
             for s in ("0.5B", "1.5B", "3B", "7B", "14B", "32B")
         },
+        **{f"qwen3-{s.lower()}": f"Qwen/Qwen3-{s}" for s in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")},
+        **{f"vicuna-{s}": f"lmsys/vicuna-{s}-v1.3" for s in ("7b", "13b", "33b")},
         "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
         "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct",
         "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",

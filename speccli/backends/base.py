@@ -61,14 +61,16 @@ class FeatureLM(CausalLM, Protocol):
     """A CausalLM that can also hand out its last hidden states (the features the output
     layer turns into logits), for drafters that draft from them (Medusa, EAGLE)."""
 
-    def capture_hidden(self) -> None:
-        """From now on, keep each pass's last hidden states (none are kept by default)."""
+    def capture_hidden(self, layers: Sequence[int] | None = None) -> None:
+        """From now on, keep each pass's features (none are kept by default): the last
+        hidden states, or with `layers` the residual stream entering each of those decoder
+        layers (transformers' `hidden_states[i]`), concatenated in the order given."""
         ...
 
     @property
     def last_hidden(self) -> torch.Tensor:
-        """[n, hidden] for every token fed by the latest forward / forward_tree (prompts
-        included, whatever `all_logits` said)."""
+        """[n, hidden] (or [n, len(layers) * hidden]) for every token fed by the latest
+        forward / forward_tree (prompts included, whatever `all_logits` said)."""
         ...
 
 

@@ -41,22 +41,47 @@ class TransformersLM:
         # Wall time spent inside forward(), for measuring the engine's own overhead.
         self.forward_seconds = 0.0
         self._hidden_hook = None
+        self._feature_layers: tuple[int, ...] | None = None
         self._hidden_parts: list[torch.Tensor] = []
 
-    def capture_hidden(self) -> None:
-        """Keep each pass's last hidden states: the base model's output, which the output
-        layer reads (a forward hook on it, so no second pass and no change to the logits)."""
+    def capture_hidden(self, layers: Sequence[int] | None = None) -> None:
+        """Keep each pass's features: the base model's output, which the output layer reads,
+        or with `layers` the inputs of those decoder layers, concatenated in that order
+        (forward hooks, so no second pass and no change to the logits)."""
+        layers = None if layers is None else tuple(int(i) for i in layers)
         if self._hidden_hook is not None:
+            if layers != self._feature_layers:
+                raise ValueError(f"hidden states are already kept for layers {self._feature_layers}, not {layers}")
             return
         base = getattr(self.model, "base_model", None)
         if base is None or base is self.model:
             raise ValueError(f"{type(self.model).__name__} has no base model whose hidden states could be read")
+        entering: dict[int, torch.Tensor] = {}
+        hooks = []
+        if layers is not None:
+            decoder_layers = getattr(base, "layers", None)
+            count = len(decoder_layers) if decoder_layers is not None else 0
+            bad = [i for i in layers if not 0 <= i < count]
+            if not layers or bad:
+                raise ValueError(f"{type(self.model).__name__} has {count} decoder layers: no layer {bad or layers}")
+            for i in sorted(set(layers)):
+
+                def on_input(module, args, kwargs, i=i) -> None:
+                    entering[i] = args[0] if args else kwargs["hidden_states"]
+
+                hooks.append(decoder_layers[i].register_forward_pre_hook(on_input, with_kwargs=True))
 
         def on_output(module, args, output) -> None:
-            hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-            self._hidden_parts.append(hidden[0])
+            if layers is None:
+                hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+                self._hidden_parts.append(hidden[0])
+            else:
+                self._hidden_parts.append(torch.cat([entering[i][0] for i in layers], dim=-1))
+                entering.clear()
 
-        self._hidden_hook = base.register_forward_hook(on_output)
+        hooks.append(base.register_forward_hook(on_output))
+        self._hidden_hook = hooks
+        self._feature_layers = layers
 
     @property
     def last_hidden(self) -> torch.Tensor:

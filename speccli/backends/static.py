@@ -160,9 +160,10 @@ class StaticCausalLM(TransformersLM):
         """The cache slots a pass attends over when the context after it is `length` tokens."""
         return window_for(length, self._capacity) if self.windowed else self._capacity
 
-    def capture_hidden(self) -> None:
-        if self._hidden_hook is None:
-            super().capture_hidden()
+    def capture_hidden(self, layers: Sequence[int] | None = None) -> None:
+        first = self._hidden_hook is None
+        super().capture_hidden(layers)
+        if first:
             self._drop_graphs()  # captured without the hidden states' buffer
 
     def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:

@@ -46,6 +46,9 @@ class Drafter:
     # Drafts from the target's hidden states (Medusa, EAGLE): the decoder makes the target
     # keep them and hands them over (`features_from`, `observe_features`).
     needs_hidden: bool = False
+    # Which features: None for the target's last hidden state (the output layer's input);
+    # else the inputs of these decoder layers, concatenated (EAGLE-3 reads three).
+    feature_layers: tuple[int, ...] | None = None
     # Can propose a token tree (`propose_tree`), for `--tree`.
     drafts_trees: bool = False
     # Drafts what followed an earlier occurrence of the context's last n-gram: k auto keeps

@@ -36,12 +36,12 @@ def additive_mask(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class EagleHead(nn.Module):
-    def __init__(self, target_config: Any) -> None:
+    def __init__(self, target_config: Any, fc_bias: bool = True) -> None:
         super().__init__()
         from transformers import AutoModel
 
         hidden = target_config.hidden_size
-        self.fc = nn.Linear(2 * hidden, hidden)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         config = one_layer_config(target_config)
         attention = getattr(target_config, "_attn_implementation", None)
         self.body = AutoModel.from_config(config, attn_implementation=attention or "sdpa")
@@ -52,6 +52,19 @@ class EagleHead(nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.fc.out_features
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.body.config)
+
+    def without_input_norms(self) -> "EagleHead":
+        """The published EAGLE-1/2 layout: its layer reads fc's output un-normed, and its
+        output is the predicted feature as it is (SafeAILab's layer 0 has no input_layernorm;
+        the model has no final norm)."""
+        self.body.layers[0].input_layernorm = nn.Identity()
+        self.body.norm = nn.Identity()
+        return self
 
     def init_from_target(self, target: nn.Module) -> None:
         """Start from the target's last decoder layer and final norm, and an fc that passes
@@ -87,3 +100,15 @@ class EagleHead(nn.Module):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What is saved: everything but the unused embedding."""
         return {k: v for k, v in self.state_dict().items() if "embed_tokens" not in k}
+
+
+class OutputRows(nn.Module):
+    """The target's output rows for a draft vocabulary [len(vocab), hidden], as a layer:
+    a feature's logits over that vocabulary."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("rows", rows, persistent=False)
+
+    def forward(self, feature: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(feature, self.rows.T)

@@ -22,6 +22,7 @@ from speccli.config import SamplingConfig
 from speccli.coupling import Noise
 from speccli.drafters.base import Draft, Drafter, draw
 from speccli.drafters.trees import TreeSource, feed_window, grow_tree
+from speccli.drafters.eagle3_layer import Eagle3Head
 from speccli.drafters.eagle_layer import EagleHead, additive_mask
 from speccli.drafters.medusa_heads import MedusaHeads
 from speccli.drafters.draft_vocab import DraftVocab
@@ -150,20 +151,25 @@ class EagleDrafter(HeadPasses, Drafter):
 
     def __init__(
         self,
-        head: EagleHead,
+        head: EagleHead | Eagle3Head,
         vocab: DraftVocab,
         embeddings: torch.nn.Module,
-        output_rows: torch.Tensor,
+        output: torch.nn.Module,
         stop_confidence: float = 0.0,
         dtype: torch.dtype | None = None,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> None:
-        self.dtype = dtype or output_rows.dtype
+        """`output` turns the head's output into logits over `vocab` (the target's rows for
+        it, or an EAGLE-3 head's own norm and output layer); `feature_layers`: the target
+        layers whose inputs an EAGLE-3 head reads (None: the target's last hidden state)."""
+        self.dtype = dtype or next(head.parameters()).dtype
         self.head = head.eval().to(self.dtype)
         self.vocab = vocab
         self.embeddings = embeddings
-        self.rows = output_rows.to(self.dtype)  # [len(vocab), hidden]
+        self.output = output.to(self.dtype)
         self.stop_confidence = stop_confidence
-        self.device = self.rows.device
+        self.feature_layers = feature_layers
+        self.device = embeddings.weight.device
         self._reset()
 
     def _reset(self) -> None:
@@ -174,18 +180,13 @@ class EagleDrafter(HeadPasses, Drafter):
         self._pending: torch.Tensor | None = None  # features not yet fed, from position _real
         self._last: torch.Tensor | None = None  # the feature the last real entry predicted
 
-    def _new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.head.body.config)
-
     def _crop(self, entries: int) -> None:
         if entries >= self._entries:
             return
         if entries == 0:
             self._cache = None
         else:
-            self._cache.crop(entries - self._entries)  # transformers 5: a negative count removes
+            self._cache.crop(entries - self._entries)  # as transformers 5 asks: a negative count removes
         self._entries = entries
 
     def _valid(self, context: Sequence[int]) -> int:
@@ -226,7 +227,7 @@ class EagleDrafter(HeadPasses, Drafter):
         """Feed entries at positions first.. (features [n, hidden], the tokens after them);
         returns the predicted features [n, hidden]."""
         if self._cache is None:
-            self._cache = self._new_cache()
+            self._cache = self.head.new_cache()
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         embeds = self.embeddings(ids).to(self.dtype)
         positions = torch.arange(first, first + len(tokens), device=self.device)[None]
@@ -300,7 +301,7 @@ class EagleDrafter(HeadPasses, Drafter):
             return grow_tree(_EagleSource(self, feature), context, shape, sampling, generator, noise)[0]
 
     def _logits(self, feature: torch.Tensor) -> torch.Tensor:
-        return self.vocab.to_target(self._pass(torch.matmul, feature, self.rows.T))
+        return self.vocab.to_target(self._pass(self.output, feature))
 
     def rollback(self, length: int) -> None:
         if self._real > length - 1:
@@ -330,7 +331,7 @@ class _EagleSource(TreeSource):
         seen = torch.cat([torch.ones((len(nodes), real), dtype=torch.bool), feed_window(self.window, nodes, parents)], dim=1)
         mask = additive_mask(seen, drafter.dtype).to(drafter.device)
         if drafter._cache is None:
-            drafter._cache = drafter._new_cache()
+            drafter._cache = drafter.head.new_cache()
         features = torch.stack([self.features[parents[node]] for node in nodes])
         ids = torch.tensor([[tokens[node] for node in nodes]], dtype=torch.long, device=drafter.device)
         embeds = drafter.embeddings(ids).to(drafter.dtype)

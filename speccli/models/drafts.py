@@ -5,6 +5,9 @@ A draft model must share the target's tokenizer. Models of one registry family d
 3.1 and 3.2 share one tokenizer, as Qwen2.5 and Qwen2.5-Coder do (`TOKENIZER_GROUPS`).
 `--draft auto` takes, for a target the registry knows (an alias, or its Hub id):
 
+0. on CUDA, its registered published head (EAGLE-3 first, then EAGLE-1/2, then Medusa:
+   `REGISTERED_HEADS`), downloaded on first use (on the CPU the choice goes on below, where
+   the default target gets the offline pair, which needs no download);
 1. the smallest registered model of the target's own family that is smaller than it
    (llama3-70b -> llama3-8b, qwen2.5-7b -> qwen2.5-0.5b, the default target -> the default
    draft: the offline pair);
@@ -26,8 +29,58 @@ from speccli.models.registry import ALIASES, Alias
 
 AUTO = "auto"
 PROMPT_LOOKUP = "ngram"
-TOKENIZER_GROUPS = {"llama3": "llama3", "llama3.1": "llama3", "llama3.2": "llama3", "qwen2.5": "qwen2.5",
-                    "qwen2.5-coder": "qwen2.5", "smollm2": "smollm2"}
+TOKENIZER_GROUPS = {"llama3": "llama3", "llama3.1": "llama3", "llama3.2": "llama3", "llama3.3": "llama3",
+                    "qwen2.5": "qwen2.5", "qwen2.5-coder": "qwen2.5", "smollm2": "smollm2"}
+HEAD_LAYOUTS = ("eagle3", "eagle", "medusa")  # the order --draft auto prefers them in
+
+
+@dataclass(frozen=True)
+class RegisteredHead:
+    """A published draft head for a registered target. `acceptance`: the mean tokens per
+    target pass its authors published, with where (None: none quoted here)."""
+
+    target: str  # the target's alias
+    layout: str  # one of HEAD_LAYOUTS
+    hub_id: str
+    acceptance: str | None = None
+
+    @property
+    def draft(self) -> str:
+        """What --draft takes for it."""
+        return f"{self.layout}:{self.hub_id}"
+
+
+def _registered_heads() -> list[RegisteredHead]:
+    heads = [
+        RegisteredHead("llama3.1-8b", "eagle3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+                       "about 6 at temperature 0 on MT-bench (EAGLE-3 paper)"),
+        RegisteredHead("llama3.1-8b", "eagle3", "lmsys/SGLang-EAGLE3-Llama-3.1-8B-Instruct-SpecForge"),
+        RegisteredHead("llama3.1-8b", "eagle3", "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3"),
+        RegisteredHead("llama3.1-8b", "eagle", "yuhuili/EAGLE-LLaMA3.1-Instruct-8B"),
+        RegisteredHead("llama3.3-70b", "eagle3", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"),
+        RegisteredHead("llama3-8b", "eagle", "yuhuili/EAGLE-LLaMA3-Instruct-8B"),
+        RegisteredHead("llama3-70b", "eagle", "yuhuili/EAGLE-LLaMA3-Instruct-70B"),
+    ]
+    for size in ("1.7B", "4B", "8B", "14B", "32B"):
+        heads.append(RegisteredHead(f"qwen3-{size.lower()}", "eagle3", f"AngelSlim/Qwen3-{size}_eagle3"))
+    for size in ("8B", "14B", "32B"):
+        heads.append(RegisteredHead(f"qwen3-{size.lower()}", "eagle3", f"RedHatAI/Qwen3-{size}-speculator.eagle3"))
+    for size in ("7b", "13b", "33b"):
+        heads.append(RegisteredHead(f"vicuna-{size}", "medusa", f"FasterDecoding/medusa-vicuna-{size}-v1.3"))
+    return heads
+
+
+REGISTERED_HEADS: list[RegisteredHead] = _registered_heads()
+
+
+def heads_for(target: str, layout: str | None = None) -> list[RegisteredHead]:
+    """The registered published heads of `target` (an alias or its Hub id), in the order
+    auto prefers them: EAGLE-3, then EAGLE-1/2, then Medusa; registry order within each."""
+    alias = registered(target)
+    if alias is None:
+        return []
+    found = [h for h in REGISTERED_HEADS if h.target == alias.name and layout in (None, h.layout)]
+    return sorted(found, key=lambda h: HEAD_LAYOUTS.index(h.layout))
 
 
 @dataclass(frozen=True)
@@ -64,9 +117,14 @@ def draft_models_for(target: Alias) -> list[Alias]:
     return sorted(smaller, key=lambda a: (a.family != target.family, parameters(a), a.name))
 
 
-def choose_draft(target: str) -> DraftChoice:
-    """What `--draft auto` takes for `target` (see the module's docstring)."""
+def choose_draft(target: str, cuda: bool = False) -> DraftChoice:
+    """What `--draft auto` takes for `target` (see the module's docstring); on CUDA a
+    registered published head comes first."""
     alias = registered(target)
+    heads = heads_for(target) if cuda else []
+    if heads:
+        return DraftChoice(heads[0].draft, f"the registered {_LAYOUT_WORDS[heads[0].layout]} head of {alias.name},"
+                                           " trained by its publisher on chat data")
     if alias is None:
         return DraftChoice(PROMPT_LOOKUP, f"{target} is not in specgen's registry, so no draft model is known to share"
                                           " its tokenizer: prompt lookup (give --draft MODEL to use one)")
@@ -79,6 +137,9 @@ def choose_draft(target: str) -> DraftChoice:
     return DraftChoice(best.name, f"the smallest registered model {kind} ({best.params})")
 
 
+_LAYOUT_WORDS = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1/2", "medusa": "Medusa"}
+
+
 @dataclass(frozen=True)
 class DraftOption:
     """One line of `specgen models --drafts-for`."""
@@ -89,15 +150,26 @@ class DraftOption:
     auto: bool = False
 
 
-def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
-    """Every draft that can serve `target`: registered models sharing its tokenizer, heads
-    trained here for it, and the drafters that need no model; the one auto takes marked."""
+def drafts_for(target: str, cache_dir: Path | None = None, cuda: bool = False) -> list[DraftOption]:
+    """Every draft that can serve `target`: published heads registered for it, registered
+    models sharing its tokenizer, heads trained here for it, and the drafters that need no
+    model; the one auto takes (on CUDA when `cuda`) marked."""
     from speccli.heads.store import default_heads_path
     from speccli.models import offline
 
-    chosen = choose_draft(target).name
+    chosen = choose_draft(target, cuda).name
     options: list[DraftOption] = []
     alias = registered(target)
+    for head in heads_for(target):
+        acceptance = f"published acceptance {head.acceptance}" if head.acceptance else "no published acceptance quoted"
+        if head.layout == "medusa":
+            size = "a residual block and an output layer per guessed position"
+        else:
+            layers = _TARGET_LAYERS.get(alias.name)
+            size = f"one decoder layer, about 1/{layers} of the target's" if layers else "one decoder layer"
+        options.append(DraftOption(head.draft, "published head",
+                                   f"{_LAYOUT_WORDS[head.layout]} head ({size}; {acceptance}); downloaded on first use",
+                                   head.draft == chosen))
     for model in draft_models_for(alias) if alias is not None else []:
         how = "same family" if model.family == alias.family else "same tokenizer"
         options.append(DraftOption(model.name, "model", f"{model.description}, {model.params} ({how})",
@@ -111,3 +183,9 @@ def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
                                chosen == PROMPT_LOOKUP))
     options.append(DraftOption("lookahead", "drafter", "lookahead decoding: n-grams the target's own passes propose"))
     return options
+
+
+# Decoder layers of the registered targets that have published heads: a head is one layer.
+_TARGET_LAYERS = {"llama3-8b": 32, "llama3.1-8b": 32, "llama3-70b": 80, "llama3.3-70b": 80, "qwen3-1.7b": 28,
+                  "qwen3-4b": 36, "qwen3-8b": 36, "qwen3-14b": 40, "qwen3-32b": 64, "vicuna-7b": 32, "vicuna-13b": 40,
+                  "vicuna-33b": 60}

@@ -794,6 +794,12 @@ def _model_config(resolved: ResolvedModel, trust_remote_code: bool) -> Any:
     return _from_pretrained(AutoConfig.from_pretrained, resolved, {"trust_remote_code": trust_remote_code})
 
 
+def model_config(pending: PendingModel) -> Any:
+    """The transformers config of a model whose tokenizer is loaded, without its weights."""
+    with _explaining(pending.name, pending.resolved, pending.quant, pending.device):
+        return _model_config(pending.resolved, pending.config.trust_remote_code)
+
+
 def check_memory(
     name: str, resolved: ResolvedModel, quant: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
     tp: int = 1,

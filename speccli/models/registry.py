@@ -67,6 +67,7 @@ def _aliases() -> dict[str, Alias]:
         ("llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "llama3", "8B", "Llama 3 8B Instruct"),
         ("llama3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", "llama3.1", "70B", "Llama 3.1 70B Instruct"),
         ("llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "llama3.1", "8B", "Llama 3.1 8B Instruct"),
+        ("llama3.3-70b", "meta-llama/Llama-3.3-70B-Instruct", "llama3.3", "70B", "Llama 3.3 70B Instruct"),
         ("llama3.2-3b", "meta-llama/Llama-3.2-3B-Instruct", "llama3.2", "3B", "Llama 3.2 3B Instruct"),
         ("llama3.2-1b", "meta-llama/Llama-3.2-1B-Instruct", "llama3.2", "1B", "Llama 3.2 1B Instruct"),
     ]
@@ -87,6 +88,12 @@ def _aliases() -> dict[str, Alias]:
                 f"Qwen2.5-Coder {size} Instruct",
                 offline=offline_coder.get(size),
             )
+        )
+    for size in ("0.6B", "1.7B", "4B", "8B", "14B", "32B"):
+        out.append(Alias(f"qwen3-{size.lower()}", f"Qwen/Qwen3-{size}", "qwen3", size, f"Qwen3 {size}"))
+    for size in ("7B", "13B", "33B"):
+        out.append(
+            Alias(f"vicuna-{size.lower()}", f"lmsys/vicuna-{size.lower()}-v1.3", "vicuna", size, f"Vicuna {size} v1.3")
         )
     for size in ("135M", "360M", "1.7B"):
         out.append(

@@ -1,0 +1,125 @@
+"""A published head (speccli.heads.published), checked against its target, built into the
+drafter that drafts with it: the weights renamed from the published layout into specgen's
+modules, the draft vocabulary from `d2t`, the features the head reads."""
+
+from __future__ import annotations
+
+import re
+import torch
+from torch import nn
+
+from speccli.drafters.base import Drafter
+from speccli.drafters.draft_vocab import DraftVocab
+from speccli.drafters.eagle3_layer import Eagle3Head
+from speccli.drafters.eagle_layer import EagleHead, OutputRows
+from speccli.drafters.heads import EagleDrafter, MedusaDrafter
+from speccli.drafters.medusa_heads import MedusaHeads
+from speccli.drafters.model import DEFAULT_STOP_CONFIDENCE
+from speccli.heads.published import PublishedHead
+from speccli.heads.store import HeadsMismatch
+
+# Config keys an EAGLE-3 layer is built from; anything else in a head's config is not read.
+LAYER_KEYS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+    "hidden_act", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
+    "mlp_bias", "vocab_size", "draft_vocab_size", "target_hidden_size", "norm_before_residual",
+)
+
+
+def published_drafter(head: PublishedHead, target: nn.Module, dtype: torch.dtype | None = None) -> Drafter:
+    """The drafter for `head` over the loaded `target` (already checked by `check_head`)."""
+    embeddings = target.get_input_embeddings()
+    if dtype is None:
+        dtype = embeddings.weight.dtype if embeddings.weight.dtype.is_floating_point else torch.float32
+    device = embeddings.weight.device
+    tensors = head.tensors()
+    if head.layout == "medusa":
+        module = medusa_module(tensors, head.source)
+        vocab = DraftVocab(torch.arange(module.out[0].out_features), target.config.vocab_size)
+        return MedusaDrafter(module.to(device), vocab, dtype)
+    if head.layout == "eagle":
+        module, vocab = eagle_module(tensors, head, target)
+        rows = target.get_output_embeddings().weight.detach()
+        output = OutputRows(rows)
+        return EagleDrafter(module.to(device), vocab, embeddings, output, DEFAULT_STOP_CONFIDENCE, dtype)
+    module, vocab = eagle3_module(tensors, head, target.config.vocab_size)
+    module.to(device)
+    output = nn.Sequential(module.norm, module.lm_head)
+    layers = head.feature_layers(target.config.num_hidden_layers)
+    return EagleDrafter(module, vocab, embeddings, output, DEFAULT_STOP_CONFIDENCE, dtype, feature_layers=layers)
+
+
+def _load(module: nn.Module, weights: dict[str, torch.Tensor], source: str, ignore: tuple[str, ...] = ()) -> None:
+    """Load exactly the module's weights: a missing, extra or misshapen tensor is a HeadsMismatch."""
+    expected = {k: v for k, v in module.state_dict().items() if not k.startswith(ignore)}
+    weights = {k: v for k, v in weights.items() if not k.startswith(ignore)}
+    missing = [k for k in expected if k not in weights]
+    extra = [k for k in weights if k not in expected]
+    wrong = [f"{k} {list(v.shape)} (expected {list(expected[k].shape)})"
+             for k, v in weights.items() if k in expected and v.shape != expected[k].shape]
+    if missing or extra or wrong:
+        parts = [f"lacks {', '.join(missing[:3])}" if missing else "",
+                 f"has unexpected {', '.join(extra[:3])}" if extra else "",
+                 f"has {', '.join(wrong[:2])}" if wrong else ""]
+        raise HeadsMismatch(f"{source}: its weights do not fit the layout: {'; '.join(p for p in parts if p)}")
+    module.load_state_dict(weights, strict=False)
+
+
+def medusa_module(tensors: dict[str, torch.Tensor], source: str) -> MedusaHeads:
+    """Medusa's `{h}.{l}.linear.*` / `{h}.{layers}.weight` as MedusaHeads (the count of heads
+    and of layers read from the keys, not assumed)."""
+    blocks = [tuple(map(int, m.groups())) for k in tensors if (m := re.fullmatch(r"(\d+)\.(\d+)\.linear\.weight", k))]
+    if not blocks:
+        raise HeadsMismatch(f"{source}: no Medusa heads in its weights (no 0.0.linear.weight)")
+    heads = 1 + max(h for h, _ in blocks)
+    layers = 1 + max(layer for _, layer in blocks)
+    hidden = tensors["0.0.linear.weight"].shape[0]
+    out_key = f"0.{layers}.weight"
+    if out_key not in tensors:
+        raise HeadsMismatch(f"{source}: Medusa head 0 lacks its output layer ({out_key})")
+    module = MedusaHeads(hidden, tensors[out_key].shape[0], heads, layers)
+    renamed = {}
+    for key, value in tensors.items():
+        h, rest = key.split(".", 1)
+        index, _, tail = rest.partition(".")
+        if tail.startswith("linear."):
+            renamed[f"blocks.{h}.{index}.{tail}"] = value
+        else:
+            renamed[f"out.{h}.{tail}"] = value
+    _load(module, renamed, source)
+    return module
+
+
+def eagle_module(tensors: dict[str, torch.Tensor], head: PublishedHead, target: nn.Module) -> tuple[EagleHead, DraftVocab]:
+    """An EAGLE-1/2 head as specgen's EagleHead, without the norms the published layer lacks."""
+    bias = "fc.bias" in tensors
+    module = EagleHead(target.config, fc_bias=bias).without_input_norms()
+    renamed = {("body." + k if k.startswith("layers.") else k): v for k, v in tensors.items()}
+    _load(module, renamed, head.source, ignore=("embed_tokens.", "body.embed_tokens."))
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    return module, DraftVocab(torch.arange(vocab_size), target.config.vocab_size)
+
+
+def eagle3_module(tensors: dict[str, torch.Tensor], head: PublishedHead, target_vocab: int) -> tuple[Eagle3Head, DraftVocab]:
+    """An EAGLE-3 head and its draft vocabulary (target id = draft id + d2t[draft id])."""
+    from transformers import LlamaConfig
+
+    settings = {k: v for k, v in head.layer_config.items() if k in LAYER_KEYS}
+    settings.setdefault("draft_vocab_size", settings.get("vocab_size", target_vocab))
+    config = LlamaConfig(**settings)
+    module = Eagle3Head(config)
+    weights = {re.sub(r"^layers\.0\.", "midlayer.", k): v for k, v in tensors.items()}
+    d2t = weights.pop("d2t", None)
+    weights.pop("t2d", None)
+    _load(module, weights, head.source, ignore=("embed_tokens.",))
+    draft_size = module.lm_head.out_features
+    ids = torch.arange(draft_size)
+    if d2t is not None:
+        if d2t.shape != (draft_size,):
+            raise HeadsMismatch(f"{head.source}: d2t has {list(d2t.shape)} entries, its output layer {draft_size}")
+        ids = ids + d2t.long()
+    try:
+        vocab = DraftVocab(ids, target_vocab)
+    except ValueError as error:
+        raise HeadsMismatch(f"{head.source}: its d2t does not map into the target's vocabulary ({error})") from None
+    return module, vocab
