@@ -549,7 +549,7 @@ def models(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     show_converted: bool = typer.Option(False, "--converted", help="List only the converted weights kept in specgen's cache (GGUF files dequantized once, read by later starts)."),
     remove_converted: Optional[str] = typer.Option(None, "--remove-converted", metavar="NAME|all", help="Remove the converted weights of GGUF files whose name contains NAME, or all of them; the next start converts again."),
-    drafts_for: Optional[str] = typer.Option(None, "--drafts-for", metavar="TARGET", help="List the drafts that can serve TARGET (registered models sharing its tokenizer, heads trained here, the drafters without a model), marking the one --draft auto takes."),
+    drafts_for: Optional[str] = typer.Option(None, "--drafts-for", metavar="TARGET", help="List the drafts that can serve TARGET (published heads registered for it, registered models sharing its tokenizer, heads trained here, the drafters without a model), marking the ones --draft auto takes on the CPU and on CUDA."),
 ) -> None:
     """List the model aliases, what each resolves to, and whether each is available offline,
     then the converted weights kept in specgen's cache.
@@ -572,7 +572,9 @@ def models(
             if as_json:
                 models_table.print_drafts_json(options)
             else:
-                models_table.print_drafts_table(drafts_for, options, choose_draft(drafts_for).reason)
+                models_table.print_drafts_table(
+                    drafts_for, options, choose_draft(drafts_for).reason, choose_draft(drafts_for, cuda=True).reason
+                )
             return 0
         if remove_converted is not None:
             removed = converted.remove(cache, None if remove_converted == "all" else remove_converted)

@@ -26,6 +26,21 @@ def test_auto_picks_from_the_registry(target, draft):
     assert choose_draft(target).name == draft
 
 
+@pytest.mark.parametrize("target, draft", [
+    ("llama3.1-8b", "eagle3:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),  # its registered EAGLE-3 head
+    ("llama3-70b", "eagle:yuhuili/EAGLE-LLaMA3-Instruct-70B"),  # EAGLE-1/2 where no EAGLE-3 head is registered
+    ("llama3.3-70b", "eagle3:yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"),
+    ("qwen3-8b", "eagle3:AngelSlim/Qwen3-8B_eagle3"),
+    ("vicuna-7b", "medusa:FasterDecoding/medusa-vicuna-7b-v1.3"),
+    ("llama3.1-70b", "llama3.1-8b"),  # no head registered: the same-family model
+    ("qwen2.5-7b", "qwen2.5-0.5b"),
+    (DEFAULT_TARGET, DEFAULT_DRAFT),
+    ("someone/unknown-7b", "ngram"),
+])
+def test_auto_on_cuda_takes_a_registered_published_head_first(target, draft):
+    assert choose_draft(target, cuda=True).name == draft
+
+
 def test_the_reason_is_said():
     assert choose_draft("llama3-70b").reason == "the smallest registered model of its family (8B)"
     assert "not in specgen's registry" in choose_draft("./my-model").reason
@@ -41,6 +56,22 @@ def test_drafts_for_lists_models_heads_and_drafters(tmp_path):
     assert [o.name for o in options] == ["llama3.1-8b", "llama3.2-1b", "llama3.2-3b", "llama3-8b", "eagle", "ngram",
                                          "lookahead"]
     assert [o.name for o in options if o.auto] == ["llama3.1-8b"]
+    assert [o.name for o in options if o.auto_cuda] == ["llama3.1-8b"]
+
+
+def test_drafts_for_lists_the_published_heads_first():
+    options = drafts_for("llama3.1-8b")
+    heads = [o for o in options if o.kind == "published head"]
+    assert [o.name for o in heads] == [
+        "eagle3:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        "eagle3:lmsys/SGLang-EAGLE3-Llama-3.1-8B-Instruct-SpecForge",
+        "eagle3:RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3",
+        "eagle:yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
+    ]
+    assert options[: len(heads)] == heads
+    assert "about 1/32 of the target's; published acceptance about 6 at temperature 0" in heads[0].about
+    assert [o.name for o in options if o.auto_cuda] == [heads[0].name]
+    assert [o.name for o in options if o.auto] == ["llama3.2-1b"]
 
 
 def test_models_drafts_for_in_json_and_as_a_table(tmp_path, monkeypatch):
@@ -49,7 +80,7 @@ def test_models_drafts_for_in_json_and_as_a_table(tmp_path, monkeypatch):
     assert listed.exit_code == 0
     items = json.loads(listed.stdout)
     assert items[0] == {"name": "qwen2.5-0.5b", "kind": "model", "about": "Qwen2.5 0.5B Instruct, 0.5B (same family)",
-                        "auto": True}
+                        "auto": True, "auto_cuda": True}
     table = CliRunner().invoke(app, ["models", "--drafts-for", "someone/unknown-7b"])
     assert "--draft auto: someone/unknown-7b is not in specgen's registry" in table.stdout
 

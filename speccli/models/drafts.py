@@ -145,19 +145,20 @@ class DraftOption:
     """One line of `specgen models --drafts-for`."""
 
     name: str
-    kind: str  # "model", "heads", "drafter"
+    kind: str  # "published head", "model", "heads", "drafter"
     about: str
-    auto: bool = False
+    auto: bool = False  # what --draft auto takes on the CPU
+    auto_cuda: bool = False  # and on CUDA
 
 
-def drafts_for(target: str, cache_dir: Path | None = None, cuda: bool = False) -> list[DraftOption]:
+def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
     """Every draft that can serve `target`: published heads registered for it, registered
     models sharing its tokenizer, heads trained here for it, and the drafters that need no
-    model; the one auto takes (on CUDA when `cuda`) marked."""
+    model; the ones auto takes on the CPU and on CUDA marked."""
     from speccli.heads.store import default_heads_path
     from speccli.models import offline
 
-    chosen = choose_draft(target, cuda).name
+    chosen, chosen_cuda = choose_draft(target).name, choose_draft(target, cuda=True).name
     options: list[DraftOption] = []
     alias = registered(target)
     for head in heads_for(target):
@@ -169,18 +170,18 @@ def drafts_for(target: str, cache_dir: Path | None = None, cuda: bool = False) -
             size = f"one decoder layer, about 1/{layers} of the target's" if layers else "one decoder layer"
         options.append(DraftOption(head.draft, "published head",
                                    f"{_LAYOUT_WORDS[head.layout]} head ({size}; {acceptance}); downloaded on first use",
-                                   head.draft == chosen))
+                                   head.draft == chosen, head.draft == chosen_cuda))
     for model in draft_models_for(alias) if alias is not None else []:
         how = "same family" if model.family == alias.family else "same tokenizer"
         options.append(DraftOption(model.name, "model", f"{model.description}, {model.params} ({how})",
-                                   model.name == chosen))
+                                   model.name == chosen, model.name == chosen_cuda))
     cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
     for kind in ("medusa", "eagle"):
         path = default_heads_path(cache, alias.name if alias else target, kind)
         if path.is_file():
             options.append(DraftOption(kind, "heads", f"{kind} heads trained here ({path})"))
     options.append(DraftOption(PROMPT_LOOKUP, "drafter", "prompt lookup: continuations copied from the text so far",
-                               chosen == PROMPT_LOOKUP))
+                               chosen == PROMPT_LOOKUP, chosen_cuda == PROMPT_LOOKUP))
     options.append(DraftOption("lookahead", "drafter", "lookahead decoding: n-grams the target's own passes propose"))
     return options
 

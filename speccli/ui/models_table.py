@@ -97,7 +97,9 @@ def print_drafts_json(options: list[DraftOption], stream: TextIO | None = None) 
     print(json.dumps([asdict(o) for o in options], ensure_ascii=False, indent=2), file=stream or sys.stdout)
 
 
-def print_drafts_table(target: str, options: list[DraftOption], reason: str, stream: TextIO | None = None) -> None:
+def print_drafts_table(
+    target: str, options: list[DraftOption], reason: str, reason_cuda: str, stream: TextIO | None = None
+) -> None:
     from rich.table import Table
 
     from speccli.ui.consoles import PipeAwareConsole
@@ -106,8 +108,12 @@ def print_drafts_table(target: str, options: list[DraftOption], reason: str, str
     for column in ("--draft", "kind", "what", "auto"):
         table.add_column(column, no_wrap=column != "what")
     for option in options:
-        table.add_row(option.name, option.kind, option.about, "<- auto" if option.auto else "")
+        auto = " / ".join(where for where, chosen in (("CPU", option.auto), ("CUDA", option.auto_cuda)) if chosen)
+        table.add_row(option.name, option.kind, option.about, f"<- auto ({auto})" if auto else "")
     stream = stream or sys.stdout
     console = PipeAwareConsole(file=stream, width=None if stream.isatty() else 200)
     console.print(table)
-    console.print(f"--draft auto: {reason}.", highlight=False)
+    if reason == reason_cuda:
+        console.print(f"--draft auto: {reason}.", highlight=False)
+    else:
+        console.print(f"--draft auto on the CPU: {reason}.\n--draft auto on CUDA: {reason_cuda}.", highlight=False)
