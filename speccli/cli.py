@@ -149,7 +149,7 @@ def _run_guarded(body: Callable[[], int]) -> None:
 
 
 TARGET_HELP = "Target model: an alias (see `specgen models`), a Hugging Face hub id, a local folder, or a .gguf file."
-DRAFT_HELP = "auto: the smallest registered model sharing the target's tokenizer (its family first; the default target gets the offline draft), else prompt lookup, said on stderr (`specgen models --drafts-for TARGET` lists the choices). Or a draft model (same forms as --target), `ngram` for prompt lookup or `lookahead` for lookahead decoding (no draft model: guesses from the text and from the target itself), `medusa[:PATH]` or `eagle[:PATH]` for heads trained on the target's own hidden states (`specgen train`; found in the cache without PATH), or `none` for plain target decoding."
+DRAFT_HELP = "auto: on CUDA the target's registered published head (EAGLE-3 first), else the smallest registered model sharing the target's tokenizer (its family first; the default target gets the offline draft), else prompt lookup, said on stderr (`specgen models --drafts-for TARGET` lists the choices). Or a draft model (same forms as --target), `ngram` for prompt lookup or `lookahead` for lookahead decoding (no draft model: guesses from the text and from the target itself), `eagle3:HUB_ID|FOLDER` for a published EAGLE-3 head (`eagle3` alone: the one registered for the target), `eagle:HUB_ID|FOLDER` or `medusa:HUB_ID|FOLDER` for published EAGLE-1/2 or Medusa heads, `medusa[:FILE]` or `eagle[:FILE]` for heads trained here (`specgen train`; found in the cache without FILE), or `none` for plain target decoding."
 
 
 
