@@ -94,3 +94,24 @@ def test_a_hole_in_one_vocabulary_is_a_mismatch():
     holey = Holey({"a": 0, "b": 1, "c": 2, "d": 3, "f": 5})
     with pytest.raises(TokenizerMismatchError, match="at id 4: target 'e' vs draft \\(no token\\)"):
         check_tokenizers_compatible(full, holey)
+
+
+def test_tokenizers_that_add_other_special_tokens_around_a_text_are_refused():
+    from tokenizers import processors
+
+    target = char_tokenizer()
+    with_bos = copy.deepcopy(target)
+    with_bos.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    assert with_bos("a")["input_ids"] == [1, 3]
+    with pytest.raises(TokenizerMismatchError) as info:
+        check_tokenizers_compatible(target, with_bos)
+    assert str(info.value) == "tokenizers add different special tokens around a text: target [] vs draft [1]"
+    check_tokenizers_compatible(with_bos, copy.deepcopy(with_bos))
+
+
+def test_tokenizers_of_other_kinds_are_refused():
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list("abc"))}
+    unigram = Tokenizer(models.Unigram([(tok, -1.0) for tok in vocab], unk_id=0))
+    draft = PreTrainedTokenizerFast(tokenizer_object=unigram, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    with pytest.raises(TokenizerMismatchError, match="tokenizers are of different kinds: target BPE vs draft Unigram"):
+        check_tokenizers_compatible(char_tokenizer("abc"), draft)

@@ -134,6 +134,16 @@ def test_published_heads_draft_the_targets_own_greedy_output(tokenizer, target, 
     assert drafted > 0
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_k_auto_drafts_with_a_published_head(tokenizer, target, tmp_path, tree):
+    drafter = load("eagle3", eagle3_folder(tmp_path / "h", target), target)
+    decoder = SpeculativeDecoder(wrap(target), tokenizer, [2], drafter)
+    for prompt in PROMPTS:
+        ids = encode(tokenizer, prompt)
+        events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k="auto", max_new_tokens=24, tree=tree)))
+        assert emitted(events) == target_greedy(target, ids)[:24], prompt
+
+
 def test_a_draft_vocabulary_with_gaps_maps_through_d2t(tokenizer, target, tmp_path):
     drafter = load("eagle3", eagle3_folder(tmp_path / "h", target), target)
     assert drafter.vocab.ids.tolist() == draft_ids_with_gaps(target.config.vocab_size, DRAFT_VOCAB).tolist()

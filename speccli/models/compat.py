@@ -32,12 +32,40 @@ def _id_to_token(tokenizer: Any, size: int) -> list[str | None]:
     return table
 
 
+def _vocabulary_kind(tokenizer: Any) -> str | None:
+    """BPE, Unigram, WordPiece... where the tokenizer says (a fast tokenizer's model)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return type(backend.model).__name__ if backend is not None else None
+
+
+def _added_around_text(tokenizer: Any) -> list[int] | None:
+    """The ids a tokenizer adds around any text (its BOS/EOS handling), None where it cannot say."""
+    try:
+        return list(tokenizer("", add_special_tokens=True)["input_ids"])
+    except Exception:  # noqa: BLE001 - not a callable tokenizer: nothing to compare
+        return None
+
+
 def check_tokenizers_compatible(target_tok: Any, draft_tok: Any) -> None:
     """Raise :class:`TokenizerMismatchError` unless the draft's ids mean what the target's do.
 
-    Checks every id below ``min(len(target), len(draft))`` and the bos/eos/pad/unk
-    tokens (string and id) wherever both tokenizers define one.
+    As llama.cpp's `common_speculative_are_compatible` asks, from the tokenizer files alone:
+    the same kind of vocabulary, the same special tokens added around a text, and the same
+    token text for every id below ``min(len(target), len(draft))`` (here from id 0, so the
+    special tokens too); the bos/eos/pad/unk tokens (string and id) wherever both define
+    one. Unlike llama.cpp, a draft whose vocabulary is a prefix of the target's (or the
+    reverse) passes however many ids one lacks: the draft proposes only the shared ones.
     """
+    kinds = _vocabulary_kind(target_tok), _vocabulary_kind(draft_tok)
+    if None not in kinds and kinds[0] != kinds[1]:
+        raise TokenizerMismatchError(f"tokenizers are of different kinds: target {kinds[0]} vs draft {kinds[1]}",
+                                     hint=_HINT)
+    added = _added_around_text(target_tok), _added_around_text(draft_tok)
+    if None not in added and added[0] != added[1]:
+        raise TokenizerMismatchError(
+            f"tokenizers add different special tokens around a text: target {added[0]} vs draft {added[1]}",
+            hint=_HINT,
+        )
     size = min(len(target_tok), len(draft_tok))
     target_ids = _id_to_token(target_tok, size)
     draft_ids = _id_to_token(draft_tok, size)
