@@ -67,7 +67,7 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32)
 CONTEXTS = (256, 2048)
 # Shares of --budget per stage (the rest is slack for loading and writing).
 # The formats share what is left after these.
-SHARES = {"environment": 0.03, "correctness": 0.2, "profile": 0.05, "peers": 0.2, "projection": 0.07}
+SHARES = {"environment": 0.03, "correctness": 0.2, "profile": 0.05, "peers": 0.2, "projection": 0.07, "eagle3": 0.08}
 # The real offline pair's shapes (Qwen2.5-Coder 1.5B target, 0.5B draft) for the projection.
 PAIR_TARGET = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                    intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)
@@ -585,6 +585,19 @@ def speed(plan: Plan, device: torch.device, clock: Clock, text, target, drafts: 
 # ---------------------------------------------------------------------------- report
 
 
+def eagle3(plan: Plan, device: torch.device) -> dict:
+    """A published EAGLE-3 head's shape on Llama-3.1-8B's (scripts/gpu_heads.py)."""
+    from gpu_heads import LLAMA31_8B, eagle3_costs
+
+    shape = LLAMA31_8B if plan is REAL else plan.shapes["target"]
+    target = random_model(shape, device, torch.bfloat16, seed=3, max_positions=8192)
+    try:
+        return eagle3_costs(target, shape, device, context=plan.contexts[0], draft_vocab=32000 if plan is REAL else 100)
+    finally:
+        del target
+        free(device)
+
+
 def markdown(data: dict) -> str:
     env = data.get("environment", {})
     lines = [f"# specgen GPU check: {env.get('gpu', env.get('device', '?'))}", "",
@@ -667,6 +680,9 @@ def markdown(data: dict) -> str:
                 lines.append(f"| {fmt} | {row['plain_tokens_per_s']} | {row['best_k']} | {best['tokens_per_s']} | "
                              f"{best['speedup']:.2f} | {row['k'][4]['speedup']:.2f} |")
         lines.append("")
+    from gpu_heads import markdown as eagle3_lines
+
+    lines += eagle3_lines(data.get("eagle3", {}))
     return "\n".join(lines) + "\n"
 
 
@@ -769,6 +785,7 @@ def main() -> int:
         free(device)
     if "peers" not in report.data:
         run_peers()
+    report.data["eagle3"] = staged(report, "eagle3", share("eagle3"), lambda clock: eagle3(plan, device)) or {}
     report.data["seconds"] = round(time.perf_counter() - started, 1)
     report.save()
     log(f"done in {report.data['seconds']} s: {args.out / 'gpu_check.md'}")
