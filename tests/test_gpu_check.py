@@ -43,6 +43,9 @@ def test_the_smoke_run_measures_every_stage(tmp_path):
     assert projected["tokens"] == 1278 and projected["k"]["4"]["speedup"] > 0  # the committed traces
     table = (tmp_path / "out" / "gpu_check.md").read_text()
     assert "## tokens/s, bf16" in table and "| specgen-tree-self |" in table
+    heads = data["eagle3"]  # the EAGLE-3 stage: features of three layers kept, a head step timed
+    assert heads["features_width"] == 3 * 64 and list(heads["verify_ms"]) == ["1", "8", "16"]
+    assert heads["head_step_ms"] > 0 and "## EAGLE-3 head on a smoke target" in table
     assert result.stdout == table + "\n"
 
 
