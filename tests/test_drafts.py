@@ -94,3 +94,16 @@ def test_generate_says_what_auto_chose(tmp_path, tokenizer, monkeypatch):
                                       "float32", "-n", "4"])
     assert result.exit_code == 0, result.stderr
     assert f"draft: ngram (--draft auto: {folder} is not in specgen's registry" in result.stderr
+
+
+def test_models_lists_each_aliases_published_heads(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
+    listed = CliRunner().invoke(app, ["models", "--json"])
+    assert listed.exit_code == 0
+    heads = {row["alias"]: row["published_heads"] for row in json.loads(listed.stdout)}
+    assert heads["llama3.1-8b"][0] == "eagle3:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+    assert heads["vicuna-13b"] == ["medusa:FasterDecoding/medusa-vicuna-13b-v1.3"]
+    assert heads[DEFAULT_TARGET] == []
+    table = CliRunner().invoke(app, ["models"])
+    row = next(line for line in table.stdout.splitlines() if line.startswith("│ llama3.1-8b "))
+    assert row.rstrip(" │").endswith("eagle3, eagle")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TextIO
 
 from speccli.models.converted import ConvertedEntry
-from speccli.models.drafts import DraftOption
+from speccli.models.drafts import HEAD_LAYOUTS, DraftOption, heads_for
 from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, ModelListing, format_size
 
 FOOTER = (
@@ -21,8 +21,14 @@ FOOTER = (
 )
 
 
+def published_heads(alias: str) -> list[str]:
+    """The published heads registered for an alias, as --draft takes them."""
+    return [head.draft for head in heads_for(alias)]
+
+
 def print_json(listings: list[ModelListing], stream: TextIO | None = None) -> None:
-    print(json.dumps([asdict(item) for item in listings], ensure_ascii=False, indent=2), file=stream or sys.stdout)
+    rows = [{**asdict(item), "published_heads": published_heads(item.alias)} for item in listings]
+    print(json.dumps(rows, ensure_ascii=False, indent=2), file=stream or sys.stdout)
 
 
 def print_table(listings: list[ModelListing], stream: TextIO | None = None) -> None:
@@ -30,13 +36,15 @@ def print_table(listings: list[ModelListing], stream: TextIO | None = None) -> N
     from rich.table import Table
 
     table = Table(title="specgen models", title_justify="left")
-    for column in ("alias", "family", "params", "resolves to", "available", "size", "weights bf16 / 8-bit / 4-bit"):
+    for column in ("alias", "family", "params", "resolves to", "available", "size", "weights bf16 / 8-bit / 4-bit",
+                   "published heads"):
         table.add_column(column, no_wrap=column != "resolves to")
     for item in listings:
         default = {DEFAULT_TARGET: " (default target)", DEFAULT_DRAFT: " (default draft)"}.get(item.alias, "")
         weights = " / ".join(format_size(item.weights[f]) for f in ("bf16", "8bit", "4bit")) if item.weights else "-"
+        layouts = sorted({head.layout for head in heads_for(item.alias)}, key=HEAD_LAYOUTS.index)
         table.add_row(item.alias + default, item.family, item.params, item.resolves_to, item.availability,
-                      format_size(item.size_bytes), weights)
+                      format_size(item.size_bytes), weights, ", ".join(layouts) or "-")
     stream = stream or sys.stdout
     console = PipeAwareConsole(file=stream, width=None if stream.isatty() else 200)
     console.print(table)
