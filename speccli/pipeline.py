@@ -34,6 +34,7 @@ from speccli.models.plan import check_pair_fits
 
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.api import Speculator
+    from speccli.heads.published import PublishedHead
 
 NO_DRAFT = "none"
 HEAD_DRAFTS = ("medusa", "eagle", "eagle3")
@@ -181,7 +182,7 @@ def load_pipeline(
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
 
 
-def _published_head(heads: HeadDraft, target: PendingModel, progress: Callable[[str], None] | None):
+def _published_head(heads: HeadDraft, target: PendingModel, progress: Callable[[str], None] | None) -> PublishedHead:
     """The published head `heads` names, read as far as its config and checked against the
     target's config: a head for another target is refused before any weights load."""
     from speccli.heads.published import check_head, read_head

@@ -12,7 +12,7 @@ import torch
 from speccli.backends.base import check_kept_offsets, check_tree_pass
 
 
-def _output_size(model: torch.nn.Module) -> int:
+def output_size(model: torch.nn.Module) -> int:
     """Rows of the output layer (a quantized Linear's `weight` is a method, not a tensor)."""
     head = model.get_output_embeddings()
     size = getattr(head, "out_features", None)
@@ -27,7 +27,7 @@ class TransformersLM:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
         self.model = model.eval()
-        self._vocab_size = vocab_size or _output_size(model)
+        self._vocab_size = vocab_size or output_size(model)
         # transformers 5.x names the argument `cache`; 4.x called it `past_key_values`.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"

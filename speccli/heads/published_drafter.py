@@ -8,6 +8,7 @@ import re
 import torch
 from torch import nn
 
+from speccli.backends.hf import output_size
 from speccli.drafters.base import Drafter
 from speccli.drafters.draft_vocab import DraftVocab
 from speccli.drafters.eagle3_layer import Eagle3Head
@@ -33,16 +34,17 @@ def published_drafter(head: PublishedHead, target: nn.Module, dtype: torch.dtype
         dtype = embeddings.weight.dtype if embeddings.weight.dtype.is_floating_point else torch.float32
     device = embeddings.weight.device
     tensors = head.tensors()
+    logits_width = output_size(target)  # the target's logits: its output rows (a padded vocabulary included)
     if head.layout == "medusa":
         module = medusa_module(tensors, head.source)
-        vocab = DraftVocab(torch.arange(module.out[0].out_features), target.config.vocab_size)
+        vocab = DraftVocab(torch.arange(module.out[0].out_features), logits_width)
         return MedusaDrafter(module.to(device), vocab, dtype)
     if head.layout == "eagle":
-        module, vocab = eagle_module(tensors, head, target)
-        rows = target.get_output_embeddings().weight.detach()
-        output = OutputRows(rows)
+        module = eagle_module(tensors, head, target)
+        vocab = DraftVocab(torch.arange(logits_width), logits_width)
+        output = OutputRows(target.get_output_embeddings().weight.detach())
         return EagleDrafter(module.to(device), vocab, embeddings, output, DEFAULT_STOP_CONFIDENCE, dtype)
-    module, vocab = eagle3_module(tensors, head, target.config.vocab_size)
+    module, vocab = eagle3_module(tensors, head, logits_width)
     module.to(device)
     output = nn.Sequential(module.norm, module.lm_head)
     layers = head.feature_layers(target.config.num_hidden_layers)
@@ -90,14 +92,12 @@ def medusa_module(tensors: dict[str, torch.Tensor], source: str) -> MedusaHeads:
     return module
 
 
-def eagle_module(tensors: dict[str, torch.Tensor], head: PublishedHead, target: nn.Module) -> tuple[EagleHead, DraftVocab]:
+def eagle_module(tensors: dict[str, torch.Tensor], head: PublishedHead, target: nn.Module) -> EagleHead:
     """An EAGLE-1/2 head as specgen's EagleHead, without the norms the published layer lacks."""
-    bias = "fc.bias" in tensors
-    module = EagleHead(target.config, fc_bias=bias).without_input_norms()
+    module = EagleHead(target.config, fc_bias="fc.bias" in tensors).without_input_norms()
     renamed = {("body." + k if k.startswith("layers.") else k): v for k, v in tensors.items()}
     _load(module, renamed, head.source, ignore=("embed_tokens.", "body.embed_tokens."))
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    return module, DraftVocab(torch.arange(vocab_size), target.config.vocab_size)
+    return module
 
 
 def eagle3_module(tensors: dict[str, torch.Tensor], head: PublishedHead, target_vocab: int) -> tuple[Eagle3Head, DraftVocab]:
