@@ -37,9 +37,7 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -55,7 +53,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from synthetic_pair import SHAPES, make_model, make_self_draft, spread_logits  # noqa: E402
 
 from speccli.autok.costs import CostCurve, measure_costs  # noqa: E402
-from speccli.backends.hf import HFCausalLM  # noqa: E402
 from speccli.backends.static import StaticCausalLM  # noqa: E402
 from speccli.bench.divergence import classify, first_difference  # noqa: E402
 from speccli.config import SamplingConfig, SpecConfig  # noqa: E402

@@ -412,7 +412,13 @@ def test_head_samples_follow_the_exact_target_distribution(kind, tree, monkeypat
     vocab = len(tokenizer)
     target = tiny_llama(vocab, seed=5, hidden=16, layers=1, logit_scale=6.0)
     drafter = DRAFTERS[kind](target, DraftVocab(torch.arange(2, vocab), vocab))
-    decoder = SpeculativeDecoder(wrap(target), tokenizer, [], drafter)
+    assert_samples_follow_the_target(SpeculativeDecoder(wrap(target), tokenizer, [], drafter), target, tokenizer, tree)
+
+
+def assert_samples_follow_the_target(decoder: SpeculativeDecoder, target, tokenizer, tree: bool) -> None:
+    """Continuations of "abc" sampled at temperature 1 with k 2 follow the target's exact
+    distribution, and every provenance (accepted, resampled, bonus) occurred."""
+    vocab = len(tokenizer)
     prompt = tokenizer("abc", add_special_tokens=False)["input_ids"]
     sampling = SamplingConfig(temperature=1.0)
     spec = SpecConfig(k=2, max_new_tokens=CONTINUATION, tree=tree)

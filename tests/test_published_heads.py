@@ -28,14 +28,14 @@ from published_layouts import (
 )
 from speccli.cli import app
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.events import Provenance, StepEvent, TokenEvent
+from speccli.events import StepEvent
 from speccli.heads.published import check_head, default_feature_layers, read_head
 from speccli.heads.published_drafter import published_drafter
 from speccli.heads.store import HeadsMismatch
 from speccli.loop import SpeculativeDecoder
 from test_decoder_greedy import emitted, encode, target_greedy
-from test_decoder_sampling import ALPHABET, CONTINUATION, assert_follows, exact_continuation_distribution
-from test_heads import TEXT
+from test_decoder_sampling import ALPHABET
+from test_heads import TEXT, assert_samples_follow_the_target
 
 LAYERS = 8  # the tiny targets' decoder layers: EAGLE-3 reads the inputs of layers 2, 4 and 5
 DRAFT_VOCAB = 40
@@ -184,21 +184,7 @@ def test_eagle3_samples_follow_the_exact_target_distribution(tmp_path, tree, mon
     folder = write_eagle3(tmp_path / "h", target.config, random_tensors(shapes, sizes, 1, scale=1.0),
                           torch.arange(3, vocab))
     decoder = SpeculativeDecoder(wrap(target), tokenizer, [], load("eagle3", folder, target))
-    prompt = tokenizer("abc", add_special_tokens=False)["input_ids"]
-    sampling = SamplingConfig(temperature=1.0)
-    spec = SpecConfig(k=2, max_new_tokens=CONTINUATION, tree=tree)
-    seeds = torch.Generator().manual_seed(4321)
-    counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
-    provenances = collections.Counter()
-    for _ in range(5_000):
-        run = SamplingConfig(sampling.temperature, seed=int(torch.randint(0, 2**62, (1,), generator=seeds)))
-        index = 0
-        for event in (e for e in decoder.generate(prompt, run, spec) if isinstance(e, TokenEvent)):
-            index = index * vocab + event.token_id
-            provenances[event.provenance] += 1
-        counts[index] += 1
-    assert {Provenance.ACCEPTED, Provenance.RESAMPLED, Provenance.BONUS} <= set(provenances), provenances
-    assert_follows(counts, exact_continuation_distribution(target, prompt, sampling), vocab)
+    assert_samples_follow_the_target(decoder, target, tokenizer, tree)
 
 
 # --------------------------------------------------------------------------- which features, by config
