@@ -140,10 +140,13 @@ class _FixedRows(TreeSource):
 
 
 class EagleDrafter(HeadPasses, Drafter):
-    """The EAGLE head drafts token by token: fed (feature of p, embedding of token p + 1) at
-    position p it predicts the feature of p + 1, whose logits (through the target's output
-    rows for the draft vocabulary) give the token after it. Real features fill its cache as
-    the target settles them; drafted entries are dropped at the next step."""
+    """An EAGLE head drafts token by token: fed (feature of p, embedding of token p + 1) at
+    position p it predicts the feature of p + 1, whose logits (through `output`) give the
+    token after it. EAGLE-1/2: the feature is the target's last hidden state and `output`
+    the target's rows for the draft vocabulary; EAGLE-3: the real features are three target
+    layers' inputs, what the head feeds back is its own layer's output, and `output` its own
+    norm and output layer. Real features fill its cache as the target settles them; drafted
+    entries are dropped at the next step."""
 
     name = "eagle"
     needs_hidden = True
@@ -186,7 +189,7 @@ class EagleDrafter(HeadPasses, Drafter):
         if entries == 0:
             self._cache = None
         else:
-            self._cache.crop(entries - self._entries)  # as transformers 5 asks: a negative count removes
+            self._cache.crop(entries - self._entries)  # transformers 5: a negative count removes
         self._entries = entries
 
     def _valid(self, context: Sequence[int]) -> int:
