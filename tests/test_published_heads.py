@@ -173,17 +173,20 @@ def test_seeded_sampling_is_the_targets_own_sample(tokenizer, target, tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_eagle3_samples_follow_the_exact_target_distribution(tmp_path, tree, monkeypatch):
+@pytest.mark.parametrize("layout, tree", [("eagle3", False), ("eagle3", True), ("eagle", False), ("medusa", True)])
+def test_published_heads_sample_the_exact_target_distribution(tmp_path, layout, tree, monkeypatch):
     monkeypatch.setattr(decoder_module, "coupled", lambda sampling: False)
     tokenizer = char_tokenizer(ALPHABET)
     vocab = len(tokenizer)
     target = tiny_llama(vocab, seed=5, hidden=16, layers=6, logit_scale=6.0)
-    sizes = {**dims(target.config), "W": vocab - 3}
-    shapes = {k: v for k, v in EAGLE3_SHAPES.items() if k not in ("d2t", "t2d")}
-    folder = write_eagle3(tmp_path / "h", target.config, random_tensors(shapes, sizes, 1, scale=1.0),
-                          torch.arange(3, vocab))
-    decoder = SpeculativeDecoder(wrap(target), tokenizer, [], load("eagle3", folder, target))
+    if layout == "eagle3":  # a draft vocabulary without the special ids
+        sizes = {**dims(target.config), "W": vocab - 3}
+        shapes = {k: v for k, v in EAGLE3_SHAPES.items() if k not in ("d2t", "t2d")}
+        folder = write_eagle3(tmp_path / "h", target.config, random_tensors(shapes, sizes, 1, scale=1.0),
+                              torch.arange(3, vocab))
+    else:
+        folder = LAYOUTS[f"{layout}-bin" if layout == "eagle" else "medusa-pt"][1](tmp_path / "h", target)
+    decoder = SpeculativeDecoder(wrap(target), tokenizer, [], load(layout, folder, target))
     assert_samples_follow_the_target(decoder, target, tokenizer, tree)
 
 
