@@ -136,7 +136,8 @@ def load_pipeline(
 
     Both tokenizers are loaded and compared before any weights, so that a mismatched
     draft is refused in seconds."""
-    if draft_name.strip().lower() == AUTO_DRAFT:
+    auto = draft_name.strip().lower() == AUTO_DRAFT
+    if auto:
         choice = choose_draft(target_name, cuda=choose_device(target_config.device).type == "cuda")
         if progress is not None:
             progress(f"draft: {choice.name} (--draft auto: {choice.reason})")
@@ -148,7 +149,18 @@ def load_pipeline(
     pending_target = load_tokenizer(target_name, target_config, progress=progress)
     published = None
     if heads is not None and heads.published:
-        published = _published_head(heads, pending_target, progress)
+        from speccli.heads.published import HeadUnavailable
+
+        try:
+            published = _published_head(heads, pending_target, progress)
+        except HeadUnavailable as error:
+            if not auto:
+                raise
+            # What auto takes without a head: the choice it makes where heads are not first.
+            fallback = choose_draft(target_name)
+            if progress is not None:
+                progress(f"draft: {fallback.name} instead ({error}): {fallback.reason}")
+            draft_name, key, heads = fallback.name, fallback.name.lower(), None
     pending_draft = None
     if key not in DRAFTERS and key != NO_DRAFT and heads is None:
         pending_draft = load_tokenizer(draft_name, draft_config, progress=progress)

@@ -304,6 +304,27 @@ def test_the_cli_says_where_to_get_a_hub_head_when_offline(tokenizer, target, tm
     assert "Traceback" not in result.stderr
 
 
+def test_auto_falls_back_when_its_head_cannot_be_fetched(tokenizer, target, tmp_path, monkeypatch):
+    """On CUDA auto takes a registered head; where it is not cached and the Hub is out of reach,
+    it takes what it takes without heads, before any weights, and says so."""
+    import speccli.pipeline as pipeline
+    from speccli.models.drafts import DraftChoice
+
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(pipeline, "choose_device", lambda requested: torch.device("cuda"))
+    picks = {True: DraftChoice("eagle3:someone/EAGLE3-head", "its registered head"),
+             False: DraftChoice("ngram", "prompt lookup")}
+    monkeypatch.setattr(pipeline, "choose_draft", lambda name, cuda=False: picks[cuda])
+    folder = save_model_folder(target, tokenizer, tmp_path / "target")
+    result = CliRunner().invoke(app, ["generate", "def add(a, b):\n", "--target", str(folder), "-n", "8", *ON_CPU])
+    assert result.exit_code == 0, result.stderr
+    assert "draft: eagle3:someone/EAGLE3-head (--draft auto: its registered head)" in result.stderr
+    assert "draft: ngram instead (cannot download the head someone/EAGLE3-head" in result.stderr
+    assert result.stdout.rstrip("\n") == tokenizer.decode(target_greedy(target, encode(tokenizer, "def add(a, b):\n"))[:8])
+
+
 def test_eagle3_alone_needs_a_registered_head(tokenizer, target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
     folder = save_model_folder(target, tokenizer, tmp_path / "target")

@@ -42,6 +42,10 @@ LAYER_OUTPUT_KEYS = ("target_layer_ids",)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+class HeadUnavailable(ModelLoadError):
+    """A Hub head that is neither in the local cache nor downloadable now (offline, gated, gone)."""
+
+
 def default_feature_layers(target_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's features when a head's config names none: the inputs of layers 2, L//2, L-3."""
     return (2, target_layers // 2, target_layers - 3)
@@ -155,7 +159,7 @@ def fetch(source: str, progress: Callable[[str], None] | None = None) -> Path:
     try:
         return Path(snapshot_download(source, allow_patterns=HUB_FILES))
     except Exception as error:  # noqa: BLE001 - offline, unknown repo, gated: one line either way
-        raise ModelLoadError(
+        raise HeadUnavailable(
             f"cannot download the head {source}: {str(error).splitlines()[0] if str(error) else type(error).__name__}",
             hint=f"where the Hub is reachable, `hf download {source} --local-dir DIR`; then give its folder"
                  " (e.g. --draft eagle3:DIR)",
