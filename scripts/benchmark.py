@@ -139,7 +139,7 @@ class Bench:
         for method, kind in HEAD_METHODS.items():
             if method in (methods or ()):
                 free = CostCurve(costs.verify_seconds, None) if costs else None
-                drafter = self.head_drafters.get(kind) or head_drafter(target, kind, progress=log)
+                drafter = self.head_drafters.get(kind) or head_drafter(target, target_lm, kind, progress=log)
                 self.head_drafters[kind] = drafter
                 self.generators[method] = Speculator.over(target_lm, target.tokenizer, self.eos, drafter, free)
         self.costs = costs

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from speccli.backends.base import CausalLM
+from speccli.backends.base import CausalLM, FeatureLM
 from speccli.backends.hf import HFCausalLM
 from speccli.backends.llamacpp import LlamaCppLM
 from speccli.backends.static import StaticCausalLM, static_cache_problem
@@ -180,9 +180,9 @@ def load_pipeline(
     elif published is not None:
         from speccli.heads.published_drafter import published_drafter
 
-        drafter = published_drafter(published, target.model)
+        drafter = published_drafter(published, target_lm, target.model.config)
     elif heads is not None:
-        drafter = head_drafter(target, heads.kind, heads.path, progress=progress)
+        drafter = head_drafter(target, target_lm, heads.kind, heads.path, progress=progress)
     elif pending_draft is None:
         drafter = None
     else:
@@ -332,9 +332,14 @@ def model_drafter(
 
 
 def head_drafter(
-    target: LoadedModel, kind: str, path: Path | None = None, progress: Callable[[str], None] | None = None,
+    target: LoadedModel,
+    target_lm: FeatureLM,
+    kind: str,
+    path: Path | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Drafter:
-    """A Medusa or EAGLE drafter for the loaded target, from `path` or from where `specgen
+    """A Medusa or EAGLE drafter for the loaded target (decoding through `target_lm`, which
+    hands out its embedding and output rows whole), from `path` or from where `specgen
     train` saves heads for it. Heads trained for another target are refused (HeadsMismatch)."""
     from speccli.drafters.eagle_layer import OutputRows
     from speccli.drafters.heads import EagleDrafter, MedusaDrafter
@@ -348,17 +353,17 @@ def head_drafter(
                 f"no {kind} heads trained for {target.name} (looked in {path})",
                 hint=f"train them: specgen train {kind} --target {target.name}   (or give --draft {kind}:PATH)",
             )
-    heads = load_heads(path, target.model, target.name, kind)
+    rows = target_lm.output_rows()
+    heads = load_heads(path, target.model, target.name, kind, rows)
     if progress is not None:
         accuracy = heads.training.get("accuracy") or []
         shown = ", ".join(f"{100 * a:.0f}%" for a in accuracy) or "not measured"
         progress(f"{kind} heads from {path} (trained on {heads.training.get('tokens', '?')} tokens; held-out top-1 {shown})")
-    model = target.model
-    embeddings = model.get_input_embeddings()
+    embeddings = target_lm.input_embedding()
     dtype = embeddings.weight.dtype if embeddings.weight.dtype.is_floating_point else torch.float32
     device = embeddings.weight.device
     heads.module.to(device)
     if kind == "medusa":
         return MedusaDrafter(heads.module, heads.vocab, dtype)
-    rows = model.get_output_embeddings().weight.detach()[heads.vocab.ids.to(device)]
+    rows = rows[heads.vocab.ids.to(device)]
     return EagleDrafter(heads.module, heads.vocab, embeddings, OutputRows(rows), DEFAULT_STOP_CONFIDENCE, dtype)

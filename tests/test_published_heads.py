@@ -83,7 +83,7 @@ LAYOUTS = {
 def load(layout, folder, target):
     head = read_head(str(folder), layout)
     check_head(head, target.config, "tiny-target")
-    return published_drafter(head, target, torch.float32)
+    return published_drafter(head, wrap(target), target.config, torch.float32)
 
 
 # --------------------------------------------------------------------------- the features EAGLE-3 reads

@@ -83,7 +83,7 @@ def test_a_dead_rank_ends_the_run_with_one_line(tmp_path, folders):
     stderr = run.stderr.read().decode()
     assert code == 1
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith("error: rank 1 of the tensor-parallel run was killed by signal 9; the other ranks were stopped")
+    assert lines[-1].startswith("error: rank 1 of the tensor-parallel run was killed by signal 9; the other ranks were stopped"), stderr
     assert "Traceback" not in stderr
 
 
@@ -170,3 +170,45 @@ def test_each_rank_takes_its_local_gpu_unless_told_the_cpu(monkeypatch):
     assert device_for(rank) == torch.device("cuda", 1) and device_for(rank, "cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert device_for(rank) == torch.device("cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["eagle3", "eagle"])
+def test_published_heads_over_two_ranks_give_the_one_process_tokens(tmp_path, tokenizer, layout):
+    """A head embeds its tokens with the target's embedding (and EAGLE-1/2 scores them with its
+    output rows), which the split target holds in shards: rank 0 gets them whole, gathered on
+    every rank, and never calls the split modules alone (that would wait forever)."""
+    from test_published_heads import eagle3_folder, eagle_folder
+
+    target = tiny_llama(len(tokenizer), seed=3, layers=8, logit_scale=4.0, max_positions=4096)
+    folder = save_model_folder(target, tokenizer, tmp_path / "target")
+    head = (eagle3_folder if layout == "eagle3" else eagle_folder)(tmp_path / "head", target)
+    alone, _ = tokens(tmp_path, (folder, None), "--draft", f"{layout}:{head}", "--k", "3")
+    split, backend = tokens(tmp_path, (folder, None), "--draft", f"{layout}:{head}", "--k", "3", "--tp", "2")
+    assert split == alone and len(split) == 24 and backend == "dynamic-cache+tp2"
+
+
+def test_rank0_says_nothing_when_a_peer_went_away_and_the_launcher_names_it(monkeypatch, capsys):
+    """Under load rank 0 may see a dead peer (its collective fails) before the launcher does:
+    it exits EXIT_RANK_LOST without a line, and the one line names the rank that died."""
+    from types import SimpleNamespace
+
+    from speccli.backends import distributed
+    from speccli.errors import EXIT_RANK_LOST, RankLost
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:32667.")
+
+    def share(message):
+        raise gloo
+
+    monkeypatch.setattr(distributed, "share", share)
+    leader = distributed.LeaderLM(SimpleNamespace(forward=lambda ids: None))
+    with pytest.raises(RankLost):
+        leader.forward([1, 2])
+    monkeypatch.setattr(distributed, "share", lambda message: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # anything else is rank 0's own error
+        leader.forward([1, 2])
+    failures = {0: SimpleNamespace(exitcode=EXIT_RANK_LOST, timestamp=2), 1: SimpleNamespace(exitcode=-9, timestamp=5)}
+    assert distributed._exit_code(failures) == 1
+    assert capsys.readouterr().err.startswith("error: rank 1 of the tensor-parallel run was killed by signal 9;")
+    assert distributed._exit_code({0: SimpleNamespace(exitcode=2, timestamp=1)}) == 2  # rank 0's own, said by it

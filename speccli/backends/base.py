@@ -73,6 +73,14 @@ class FeatureLM(CausalLM, Protocol):
         forward / forward_tree (prompts included, whatever `all_logits` said)."""
         ...
 
+    def input_embedding(self) -> torch.nn.Module:
+        """The input embedding, callable by a drafter on its own (whole where the model is split)."""
+        ...
+
+    def output_rows(self) -> torch.Tensor:
+        """The output layer's rows [vocab, hidden], whole."""
+        ...
+
 
 def check_tree_pass(token_ids: Sequence[int], positions: Sequence[int]) -> None:
     """forward_tree's arguments, as every backend requires them."""

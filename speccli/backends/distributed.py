@@ -31,6 +31,8 @@ from typing import Any, Sequence
 
 import torch
 
+from speccli.errors import EXIT_RANK_LOST, RankLost
+
 # Quantizations transformers' tensor-parallel plan shards (bitsandbytes' and torchao's are not).
 TP_QUANTS = ("none",)
 
@@ -114,11 +116,18 @@ def announce_rank0() -> None:
         Path(path).write_text(str(os.getpid()))
 
 
+def _peer_gone(error: RuntimeError) -> bool:
+    """Whether a collective failed because another rank went away (gloo says the peer closed
+    the connection; NCCL raises its backend error)."""
+    return isinstance(error, getattr(torch.distributed, "DistBackendError", ())) or "by peer" in str(error)
+
+
 def _exit_code(failures: dict[int, Any]) -> int:
     """Rank 0's own exit code where it failed (it said why, and the launcher stopped the
-    others); else 1, with one line naming the rank that failed first."""
+    others); else 1, with one line naming the rank that failed first (also where rank 0
+    stopped because a peer went away: EXIT_RANK_LOST, said nothing)."""
     rank0 = failures.get(0)
-    if rank0 is not None and rank0.exitcode > 0:
+    if rank0 is not None and rank0.exitcode > 0 and rank0.exitcode != EXIT_RANK_LOST:
         return rank0.exitcode
     followers = {rank: f for rank, f in failures.items() if rank != 0} or failures
     rank, first = min(followers.items(), key=lambda item: getattr(item[1], "timestamp", 0))
@@ -186,12 +195,13 @@ def share(value: Any) -> Any:
 
 class LeaderLM:
     """Rank 0's target: every operation on the cache (a pass, a tree pass, a rollback, a
-    keep) is sent to the other ranks before it runs here, so that their shards run the same
+    keep) and every gathering of a split weight is sent to the other ranks before it runs here, so that their shards run the same
     pass at the same time (`follow`). Everything else is the wrapped model's. A Ctrl-C during
     an operation is held until it is done on this rank: leaving a pass half-way would leave
     the other ranks waiting in its collectives."""
 
-    OPERATIONS = ("forward", "forward_tree", "rollback", "keep", "capture_hidden")
+    # Besides the cache's operations, those that gather what a drafter needs whole.
+    OPERATIONS = ("forward", "forward_tree", "rollback", "keep", "capture_hidden", "input_embedding", "output_rows")
 
     def __init__(self, lm) -> None:
         self._lm = lm
@@ -203,8 +213,13 @@ class LeaderLM:
 
         def mirrored(*args, **kwargs):
             with _held_interrupt():
-                share((name, _portable(args), kwargs))
-                return value(*args, **kwargs)
+                try:
+                    share((name, _portable(args), kwargs))
+                    return value(*args, **kwargs)
+                except RuntimeError as error:
+                    if _peer_gone(error):
+                        raise RankLost(str(error)) from None
+                    raise
 
         return mirrored
 

@@ -12,11 +12,24 @@ import torch
 from speccli.backends.base import check_kept_offsets, check_tree_pass
 
 
-def output_size(model: torch.nn.Module) -> int:
+def _output_size(model: torch.nn.Module) -> int:
     """Rows of the output layer (a quantized Linear's `weight` is a method, not a tensor)."""
     head = model.get_output_embeddings()
     size = getattr(head, "out_features", None)
     return int(size) if size is not None else int(head.weight.shape[0])
+
+
+def _is_split(model: torch.nn.Module) -> bool:
+    """Whether the model runs split over processes (specgen's --tp: transformers' plan)."""
+    distributed = torch.distributed
+    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
+
+
+def _whole(weight: torch.Tensor) -> torch.Tensor:
+    """A weight whole on this process: a DTensor's shards gathered (a collective), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return weight.full_tensor() if isinstance(weight, DTensor) else weight
 
 
 class TransformersLM:
@@ -27,7 +40,7 @@ class TransformersLM:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
         self.model = model.eval()
-        self._vocab_size = vocab_size or output_size(model)
+        self._vocab_size = vocab_size or _output_size(model)
         # transformers 5.x names the argument `cache`; 4.x called it `past_key_values`.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -89,6 +102,19 @@ class TransformersLM:
             raise RuntimeError("hidden states are not kept: call capture_hidden() first")
         parts = self._hidden_parts
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def input_embedding(self) -> torch.nn.Module:
+        """The input embedding as a drafter may call it on its own (EAGLE heads embed their
+        tokens with it): the model's, or where tensor parallelism split the model, a whole
+        copy of it (gathered: every rank runs this, see speccli.backends.distributed)."""
+        embedding = self.model.get_input_embeddings()
+        if not _is_split(self.model):
+            return embedding
+        return torch.nn.Embedding.from_pretrained(_whole(embedding.weight), freeze=True)
+
+    def output_rows(self) -> torch.Tensor:
+        """The output layer's rows [vocab, hidden], whole (gathered where split, as above)."""
+        return _whole(self.model.get_output_embeddings().weight).detach()
 
     @property
     def vocab_size(self) -> int:

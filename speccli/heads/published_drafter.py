@@ -8,7 +8,7 @@ import re
 import torch
 from torch import nn
 
-from speccli.backends.hf import output_size
+from speccli.backends.base import FeatureLM
 from speccli.drafters.base import Drafter
 from speccli.drafters.draft_vocab import DraftVocab
 from speccli.drafters.eagle3_layer import Eagle3Head
@@ -27,27 +27,29 @@ LAYER_KEYS = (
 )
 
 
-def published_drafter(head: PublishedHead, target: nn.Module, dtype: torch.dtype | None = None) -> Drafter:
-    """The drafter for `head` over the loaded `target` (already checked by `check_head`)."""
-    embeddings = target.get_input_embeddings()
+def published_drafter(head: PublishedHead, target: FeatureLM, config: Any, dtype: torch.dtype | None = None) -> Drafter:
+    """The drafter for `head` over the target behind `target` (its transformers `config`),
+    already checked by `check_head`. The target's embedding (and for EAGLE-1/2 its output
+    rows) come from the backend, whole even where the target is split over processes."""
+    embeddings = target.input_embedding()
     if dtype is None:
         dtype = embeddings.weight.dtype if embeddings.weight.dtype.is_floating_point else torch.float32
     device = embeddings.weight.device
     tensors = head.tensors()
-    logits_width = output_size(target)  # the target's logits: its output rows (a padded vocabulary included)
+    logits_width = target.vocab_size  # the target's logits: its output rows (a padded vocabulary included)
     if head.layout == "medusa":
         module = medusa_module(tensors, head.source)
         vocab = DraftVocab(torch.arange(module.out[0].out_features), logits_width)
         return MedusaDrafter(module.to(device), vocab, dtype)
     if head.layout == "eagle":
-        module = eagle_module(tensors, head, target)
+        module = eagle_module(tensors, head, config)
         vocab = DraftVocab(torch.arange(logits_width), logits_width)
-        output = OutputRows(target.get_output_embeddings().weight.detach())
+        output = OutputRows(target.output_rows())
         return EagleDrafter(module.to(device), vocab, embeddings, output, DEFAULT_STOP_CONFIDENCE, dtype)
     module, vocab = eagle3_module(tensors, head, logits_width)
     module.to(device)
     output = nn.Sequential(module.norm, module.lm_head)
-    layers = head.feature_layers(target.config.num_hidden_layers)
+    layers = head.feature_layers(config.num_hidden_layers)
     return EagleDrafter(module, vocab, embeddings, output, DEFAULT_STOP_CONFIDENCE, dtype, feature_layers=layers)
 
 
@@ -92,9 +94,9 @@ def medusa_module(tensors: dict[str, torch.Tensor], source: str) -> MedusaHeads:
     return module
 
 
-def eagle_module(tensors: dict[str, torch.Tensor], head: PublishedHead, target: nn.Module) -> EagleHead:
+def eagle_module(tensors: dict[str, torch.Tensor], head: PublishedHead, config: Any) -> EagleHead:
     """An EAGLE-1/2 head as specgen's EagleHead, without the norms the published layer lacks."""
-    module = EagleHead(target.config, fc_bias="fc.bias" in tensors).without_input_norms()
+    module = EagleHead(config, fc_bias="fc.bias" in tensors).without_input_norms()
     renamed = {("body." + k if k.startswith("layers.") else k): v for k, v in tensors.items()}
     _load(module, renamed, head.source, ignore=("embed_tokens.", "body.embed_tokens."))
     return module

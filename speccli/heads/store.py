@@ -29,12 +29,12 @@ class HeadsMismatch(UsageError):
     """A heads file trained for another target, or not a heads file at all."""
 
 
-def target_identity(model: nn.Module, name: str) -> dict[str, Any]:
+def target_identity(model: nn.Module, name: str, rows: torch.Tensor | None = None) -> dict[str, Any]:
     """What a head depends on: the target's shape, and the norms of its output rows in
     blocks (the same weights in another dtype agree within NORM_TOLERANCE; another model's
-    do not)."""
+    do not). `rows`: those rows whole, where the model is split over processes."""
     config = model.config
-    weight = model.get_output_embeddings().weight
+    weight = rows if rows is not None else model.get_output_embeddings().weight
     with torch.no_grad():
         norms = [round(float(block.float().norm()), 4) for block in weight.detach().chunk(SIGNATURE_BLOCKS)]
     return {
@@ -125,8 +125,11 @@ def read_metadata(path: Path) -> dict[str, Any]:
         raise HeadsMismatch(f"{path} has damaged metadata: {error}") from None
 
 
-def load_heads(path: Path, target: nn.Module, target_name: str, kind: str | None = None) -> Heads:
-    """The heads in `path`, checked against the target they will draft for."""
+def load_heads(
+    path: Path, target: nn.Module, target_name: str, kind: str | None = None, rows: torch.Tensor | None = None
+) -> Heads:
+    """The heads in `path`, checked against the target they will draft for (`rows`: its
+    output rows whole, where it is split over processes)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -135,7 +138,7 @@ def load_heads(path: Path, target: nn.Module, target_name: str, kind: str | None
     meta = read_metadata(path)
     if kind is not None and meta["kind"] != kind:
         raise HeadsMismatch(f"{path} holds {meta['kind']} heads, not {kind}")
-    here = target_identity(target, target_name)
+    here = target_identity(target, target_name, rows)
     problem = identity_problem(meta["target"], here)
     if problem is not None:
         raise HeadsMismatch(
