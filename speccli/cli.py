@@ -22,9 +22,7 @@ from speccli.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_RANK_LOST,
     EXIT_USAGE,
-    RankLost,
     UsageError,
     debugging,
     report,
@@ -142,8 +140,6 @@ def _run_guarded(body: Callable[[], int]) -> None:
             raise
         report(str(error), error.hint)
         raise typer.Exit(EXIT_USAGE)
-    except RankLost:  # the launcher says which rank died: one line, not this rank's view of it
-        raise typer.Exit(EXIT_RANK_LOST)
     except (RuntimeError, OSError, ValueError) as error:
         if debugging():
             raise

@@ -10,9 +10,6 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
-# Rank 0 of a tensor-parallel run whose peer went away: it says nothing, and the launcher names
-# the rank that died, with exit code 1 (speccli.backends.distributed).
-EXIT_RANK_LOST = 86
 
 DEBUG_ENV = "SPECGEN_DEBUG"
 
@@ -23,10 +20,6 @@ class UsageError(Exception):
     def __init__(self, message: str, hint: str = "") -> None:
         super().__init__(message)
         self.hint = hint
-
-
-class RankLost(Exception):
-    """Another rank of a tensor-parallel run went away during an operation they shared."""
 
 
 def debugging() -> bool:

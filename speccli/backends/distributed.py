@@ -31,8 +31,9 @@ from typing import Any, Sequence
 
 import torch
 
-from speccli.errors import EXIT_RANK_LOST, RankLost
-
+# Rank 0's exit code where another rank went away during an operation they shared: it says
+# nothing, and the launcher's one line names the rank that died (exit code 1).
+EXIT_RANK_LOST = 86
 # Quantizations transformers' tensor-parallel plan shards (bitsandbytes' and torchao's are not).
 TP_QUANTS = ("none",)
 
@@ -217,8 +218,8 @@ class LeaderLM:
                     share((name, _portable(args), kwargs))
                     return value(*args, **kwargs)
                 except RuntimeError as error:
-                    if _peer_gone(error):
-                        raise RankLost(str(error)) from None
+                    if _peer_gone(error):  # SystemExit: past every handler that would print it, cleanups run
+                        raise SystemExit(EXIT_RANK_LOST) from None
                     raise
 
         return mirrored
