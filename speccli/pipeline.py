@@ -34,7 +34,7 @@ from speccli.models.plan import check_pair_fits
 
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.api import Speculator
-    from speccli.heads.published import PublishedHead
+    from speccli.models.published_heads import PublishedHead
 
 NO_DRAFT = "none"
 HEAD_DRAFTS = ("medusa", "eagle", "eagle3")
@@ -149,7 +149,7 @@ def load_pipeline(
     pending_target = load_tokenizer(target_name, target_config, progress=progress)
     published = None
     if heads is not None and heads.published:
-        from speccli.heads.published import HeadUnavailable
+        from speccli.models.published_heads import HeadUnavailable
 
         try:
             published = _published_head(heads, pending_target, progress)
@@ -178,7 +178,7 @@ def load_pipeline(
     if key in DRAFTERS:
         drafter = DRAFTERS[key]()
     elif published is not None:
-        from speccli.heads.published_drafter import published_drafter
+        from speccli.models.published_drafter import published_drafter
 
         drafter = published_drafter(published, target_lm, target.model.config)
     elif heads is not None:
@@ -197,9 +197,9 @@ def load_pipeline(
 def _published_head(heads: HeadDraft, target: PendingModel, progress: Callable[[str], None] | None) -> PublishedHead:
     """The published head `heads` names, read as far as its config and checked against the
     target's config: a head for another target is refused before any weights load."""
-    from speccli.heads.published import check_head, read_head
-    from speccli.heads.store import HeadsMismatch
     from speccli.models.drafts import heads_for, registered
+    from speccli.models.errors import HeadsMismatch
+    from speccli.models.published_heads import check_head, read_head
 
     source = heads.source
     if source is None:

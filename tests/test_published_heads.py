@@ -1,4 +1,4 @@
-"""Published draft heads (speccli.heads.published): EAGLE-3, EAGLE-1/2 and Medusa checkpoints
+"""Published draft heads (speccli.models.published_heads): EAGLE-3, EAGLE-1/2 and Medusa checkpoints
 in the layouts of the Hub files (tests/published_layouts.py), written here for tiny targets,
 loaded, checked against the target before their weights, and drafting losslessly; trained
 tiny heads (tests/head_references.py) show the loader wires them as their sources do."""
@@ -29,10 +29,10 @@ from published_layouts import (
 from speccli.cli import app
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.events import StepEvent
-from speccli.heads.published import check_head, default_feature_layers, read_head
-from speccli.heads.published_drafter import published_drafter
-from speccli.heads.store import HeadsMismatch
 from speccli.loop import SpeculativeDecoder
+from speccli.models.errors import HeadsMismatch
+from speccli.models.published_drafter import published_drafter
+from speccli.models.published_heads import check_head, default_feature_layers, read_head
 from test_decoder_greedy import emitted, encode, target_greedy
 from test_decoder_sampling import ALPHABET
 from test_heads import TEXT, assert_samples_follow_the_target

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speccli.errors import UsageError
+from speccli.models.errors import HeadsMismatch
 from speccli.drafters.eagle_layer import EagleHead
 from speccli.drafters.medusa_heads import MedusaHeads
 from speccli.drafters.draft_vocab import DraftVocab
@@ -23,10 +23,6 @@ KINDS = ("medusa", "eagle")
 # Relative difference of the target's output-row norms above which a file is for another model.
 NORM_TOLERANCE = 0.01
 SIGNATURE_BLOCKS = 8
-
-
-class HeadsMismatch(UsageError):
-    """A heads file trained for another target, or not a heads file at all."""
 
 
 def target_identity(model: nn.Module, name: str, rows: torch.Tensor | None = None) -> dict[str, Any]:

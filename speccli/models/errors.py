@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from speccli.errors import UsageError
 
-__all__ = ["ModelLoadError", "TokenizerMismatchError"]
+__all__ = ["HeadsMismatch", "ModelLoadError", "TokenizerMismatchError"]
 
 
 class ModelLoadError(UsageError):
@@ -25,3 +25,8 @@ class ModelLoadError(UsageError):
 
 class TokenizerMismatchError(ModelLoadError):
     """The draft's tokenizer does not map ids to the same tokens as the target's."""
+
+
+class HeadsMismatch(UsageError):
+    """Draft heads that cannot serve this target (trained or published for another), or a
+    file or folder that holds no heads specgen can read."""

@@ -1,10 +1,12 @@
-"""A published head (speccli.heads.published), checked against its target, built into the
+"""A published head (speccli.models.published_heads), checked against its target, built into the
 drafter that drafts with it: the weights renamed from the published layout into specgen's
 modules, the draft vocabulary from `d2t`, the features the head reads."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -16,8 +18,8 @@ from speccli.drafters.eagle_layer import EagleHead, OutputRows
 from speccli.drafters.heads import EagleDrafter, MedusaDrafter
 from speccli.drafters.medusa_heads import MedusaHeads
 from speccli.drafters.model import DEFAULT_STOP_CONFIDENCE
-from speccli.heads.published import PublishedHead
-from speccli.heads.store import HeadsMismatch
+from speccli.models.errors import HeadsMismatch
+from speccli.models.published_heads import PublishedHead
 
 # Config keys an EAGLE-3 layer is built from; anything else in a head's config is not read.
 LAYER_KEYS = (

@@ -28,8 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from speccli.heads.store import HeadsMismatch
-from speccli.models.errors import ModelLoadError
+from speccli.models.errors import HeadsMismatch, ModelLoadError
 
 LAYOUTS = ("eagle3", "eagle", "medusa")
 LAYOUT_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1/2", "medusa": "Medusa"}
