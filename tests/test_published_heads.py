@@ -195,10 +195,10 @@ def test_published_heads_sample_the_exact_target_distribution(tmp_path, layout, 
 
 @pytest.mark.parametrize("config", [
     {},
-    {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]},  # vLLM / SafeAILab: the input of layer i
-    {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}},
+    {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]},  # vLLM reads the top-level key as the input of layer i
+    {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}},  # SGLang reads this one as layer i's output
     {"target_layer_ids": [1, 3, 4]},  # trainers counting the output of layer i
-], ids=["default", "entering", "nested", "output-of"])
+], ids=["default", "vllm-entering", "sglang-output-of", "target-layer-ids"])
 def test_both_layer_id_conventions_select_the_default_features(tokenizer, target, tmp_path, config):
     drafter = load("eagle3", eagle3_folder(tmp_path / "h", target, **config), target)
     assert drafter.feature_layers == default_feature_layers(LAYERS) == (2, 4, 5)

@@ -33,11 +33,20 @@ from speccli.models.errors import HeadsMismatch, ModelLoadError
 LAYOUTS = ("eagle3", "eagle", "medusa")
 LAYOUT_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1/2", "medusa": "Medusa"}
 HUB_FILES = ["*.json", "*.safetensors", "*.bin", "*.pt"]
-# Config keys naming the target layers an EAGLE-3 head reads, by convention: vLLM's and
-# SafeAILab's id i is the input of layer i (transformers' hidden_states[i]); trainers that
-# count "the output of layer i" (SpecForge, dflash's target_layer_ids) mean layer i + 1's input.
-ENTERING_LAYER_KEYS = ("eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids")
-LAYER_OUTPUT_KEYS = ("target_layer_ids",)
+# Where a head's config names the target layers it reads, and in which convention:
+# - "entering": id i is the input of layer i (transformers' hidden_states[i]), as vLLM reads the
+#   top-level `eagle_aux_hidden_state_layer_ids` (speculators' configs);
+# - "output of": id i is layer i's output, the input of layer i + 1, as SGLang reads
+#   `eagle_config.eagle_aux_hidden_state_layer_ids` (SpecForge's configs) and trainers write
+#   `target_layer_ids`.
+# (place, key, added to each id); the first found wins.
+LAYER_ID_KEYS = (
+    ("top", "eagle_aux_hidden_state_layer_ids", 0),
+    ("top", "aux_hidden_state_layer_ids", 0),
+    ("eagle_config", "eagle_aux_hidden_state_layer_ids", 1),
+    ("top", "target_layer_ids", 1),
+    ("eagle_config", "target_layer_ids", 1),
+)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -84,14 +93,11 @@ class PublishedHead:
     def feature_layers(self, target_layers: int) -> tuple[int, ...]:
         """For EAGLE-3: the target layers whose inputs it reads, as transformers'
         hidden_states indices, whichever convention its config names them in."""
-        places = [self.config, self.config.get("eagle_config") or {}, self.layer_config]
-        for place in places:
-            for key in ENTERING_LAYER_KEYS:
-                if place.get(key):
-                    return tuple(int(i) for i in place[key])
-            for key in LAYER_OUTPUT_KEYS:
-                if place.get(key):
-                    return tuple(int(i) + 1 for i in place[key])
+        places = {"top": {**self.layer_config, **self.config}, "eagle_config": self.config.get("eagle_config") or {}}
+        for place, key, shift in LAYER_ID_KEYS:
+            ids = places[place].get(key)
+            if ids:
+                return tuple(int(i) + shift for i in ids)
         return default_feature_layers(target_layers)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
