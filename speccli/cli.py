@@ -233,16 +233,19 @@ def _tensor_parallel(command: Callable[..., None], kwargs: dict, load: dict) -> 
     distributed.announce_rank0()
     distributed.quiet_other_ranks()
     distributed.join(load["device"])
-    if not rank.leads:
-        _run_guarded(lambda: _follow(kwargs, load))
-        return
     try:
-        command(**kwargs, load=load)
-    except typer.Exit as done:
-        if done.exit_code == 0:
-            distributed.stop_followers()
-        raise
-    distributed.stop_followers()
+        if not rank.leads:
+            _run_guarded(lambda: _follow(kwargs, load))
+            return
+        try:
+            command(**kwargs, load=load)
+        except typer.Exit as done:
+            if done.exit_code == 0:
+                distributed.stop_followers()
+            raise
+        distributed.stop_followers()
+    finally:
+        distributed.leave()
 
 
 def _check_tensor_parallel(kwargs: dict, load: dict) -> int:

@@ -213,3 +213,6 @@ def test_rank0_says_nothing_when_a_peer_went_away_and_the_launcher_names_it(monk
     assert distributed._exit_code(failures) == 1
     assert capsys.readouterr().err.startswith("error: rank 1 of the tensor-parallel run was killed by signal 9;")
     assert distributed._exit_code({0: SimpleNamespace(exitcode=2, timestamp=1)}) == 2  # rank 0's own, said by it
+    assert distributed._exit_code({0: SimpleNamespace(exitcode=-6, timestamp=1)}) == 1
+    assert capsys.readouterr().err == (  # rank 0 writes to the terminal: it has no log to name
+        "error: rank 0 of the tensor-parallel run was killed by signal 6; the other ranks were stopped\n")

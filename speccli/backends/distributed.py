@@ -133,8 +133,8 @@ def _exit_code(failures: dict[int, Any]) -> int:
     followers = {rank: f for rank, f in failures.items() if rank != 0} or failures
     rank, first = min(followers.items(), key=lambda item: getattr(item[1], "timestamp", 0))
     how = f"was killed by signal {-first.exitcode}" if first.exitcode < 0 else f"exited with {first.exitcode}"
-    print(f"error: rank {rank} of the tensor-parallel run {how}; the other ranks were stopped"
-          f" (its log: {log_path(rank)})", file=sys.stderr)
+    log = "" if rank == 0 else f" (its log: {log_path(rank)})"  # rank 0 wrote to the terminal
+    print(f"error: rank {rank} of the tensor-parallel run {how}; the other ranks were stopped{log}", file=sys.stderr)
     return 1
 
 
@@ -181,6 +181,19 @@ def join(device: str = "auto") -> None:
         dist.init_process_group("nccl", device_id=torch.device("cuda", rank.local))
     else:
         dist.init_process_group("gloo")
+
+
+def leave() -> None:
+    """Leave the process group before the interpreter exits. Left to the interpreter's exit,
+    gloo's threads can be torn down while a peer closes its end, and the process aborts
+    ('terminate called without an active exception', signal 6) after its work is done."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except RuntimeError:  # a peer already gone: nothing is left to close cleanly
+            pass
 
 
 def share(value: Any) -> Any:
