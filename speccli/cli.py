@@ -511,10 +511,12 @@ def plan(
             choice = choose_draft(target_name)
             progress(f"draft: {choice.name} (--draft auto: {choice.reason})")
             draft_name = choice.name
-        target_resolved, target_config = load_config(target_name, trust_remote_code=trust_remote_code, progress=progress)
+        target_resolved, target_config = load_config(target_name, trust_remote_code=trust_remote_code, progress=progress,
+                                                       shapes_only=True)
         draft_model = None
         if draft_name.strip().lower() not in PLANLESS_DRAFTS:
-            draft_resolved, draft_config = load_config(draft_name, trust_remote_code=trust_remote_code, progress=progress)
+            draft_resolved, draft_config = load_config(draft_name, trust_remote_code=trust_remote_code, progress=progress,
+                                                         shapes_only=True)
             draft_model = meta_model(draft_config)
         else:
             draft_resolved = None
@@ -595,9 +597,9 @@ def models(
             return 0
         from dataclasses import replace
 
-        from speccli.models.plan import local_weight_sizes
+        from speccli.models.plan import weight_sizes
 
-        listings = [replace(item, weights=local_weight_sizes(item.alias, cache)) for item in list_models()]
+        listings = [replace(item, weights=weight_sizes(item.alias, cache)) for item in list_models()]
         if as_json:
             models_table.print_json(listings)
         else:

@@ -80,19 +80,18 @@ def test_loading_checks_before_any_weights(tmp_path, tokenizer, monkeypatch):
     assert 0 < need.weights < 100_000
 
 
-def test_models_shows_weights_where_a_config_is_here(tmp_path, monkeypatch):
-    """An alias whose config is on this machine gets its sizes; one that would need the Hub, none."""
-    from speccli.models.plan import local_weight_sizes
-    from speccli.models.registry import ALIASES
+def test_models_shows_weights_from_a_config_here_else_the_registered_shapes(tmp_path, monkeypatch):
+    """An alias whose config is on this machine is sized by it; any other by its registered shapes."""
+    from speccli.models.plan import weight_sizes
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
-    assert local_weight_sizes("llama3-70b", tmp_path) is None
+    assert weight_sizes("llama3-70b", tmp_path)["bf16"] == 141_107_412_992  # registered shapes
     config = load_llama8b_config(tmp_path)
+    config.num_hidden_layers = 31  # the local config wins over the registered one
     monkeypatch.setattr("speccli.models.plan._local_config", lambda alias, cache: config if alias == "llama3-8b" else None)
-    sizes = local_weight_sizes("llama3-8b", tmp_path)
-    assert sizes["bf16"] == 2 * 8_030_261_248 > sizes["8bit"] > sizes["4bit"]
-    assert "llama3-8b" in ALIASES
+    sizes = weight_sizes("llama3-8b", tmp_path)
+    assert sizes["bf16"] == 2 * (8_030_261_248 - 218_112_000) > sizes["8bit"] > sizes["4bit"]
 
 
 def load_llama8b_config(tmp_path):
@@ -105,10 +104,10 @@ def load_llama8b_config(tmp_path):
 
 def test_an_installed_offline_package_gives_its_sizes(tmp_path):
     from speccli.models import offline
-    from speccli.models.plan import local_weight_sizes
+    from speccli.models.plan import weight_sizes
 
     if offline.installed_parts(offline.OFFLINE_MODELS["smollm2-135m"]) is None:
         pytest.skip("the SmolLM2-135M offline package is not installed")
-    sizes = local_weight_sizes("smollm2-135m", tmp_path)
+    sizes = weight_sizes("smollm2-135m", tmp_path)
     assert sizes["bf16"] == 2 * 134_515_008  # SmolLM2-135M's parameters, from its GGUF header's shapes
     assert sizes["bf16"] > sizes["8bit"] > sizes["4bit"]

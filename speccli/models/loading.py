@@ -773,12 +773,27 @@ def _tensor_parallel_device(name: str, config: LoadConfig, resolved: ResolvedMod
 
 
 def load_config(
-    name: str, cache_dir: Path | None = None, trust_remote_code: bool = False, progress: Progress | None = None
+    name: str, cache_dir: Path | None = None, trust_remote_code: bool = False, progress: Progress | None = None,
+    *, shapes_only: bool = False,
 ) -> tuple[ResolvedModel, Any]:
     """A model's transformers config and where it lives, without its weights: config.json from
-    a folder or the Hub, a GGUF file's header (an offline package is assembled first)."""
+    a folder or the Hub, a GGUF file's header (an offline package is assembled first).
+    `shapes_only`: for sizing, a registered model whose config is not on this machine takes
+    the shapes registered for it instead of the Hub's (speccli.models.shapes)."""
+    from speccli.models.shapes import shape_config
+
     cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
     resolved = resolve(name, cache, progress)
+    registered = shape_config(resolved.location) if shapes_only and resolved.kind == "hub" else None
+    if registered is not None:
+        from transformers import AutoConfig
+
+        try:
+            return resolved, AutoConfig.from_pretrained(resolved.location, local_files_only=True)
+        except OSError:
+            if progress is not None:
+                progress(f"{name}: sizes from the shapes specgen registers for {resolved.location}")
+            return resolved, registered
     with _explaining(name, resolved, "none", torch.device("cpu")):
         return resolved, _model_config(resolved, trust_remote_code)
 
