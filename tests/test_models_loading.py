@@ -343,7 +343,7 @@ def test_load_gguf_file(tiny_gguf_file, cache, monkeypatch):
     assert any("dequantizing tiny.F32.gguf to float32" in m for m in messages)
 
     # The converted tokenizer is kept: the second load does not convert again.
-    saved = list((cache / "tokenizers").iterdir())
+    saved = [kept for kept in (cache / "tokenizers").iterdir() if kept.is_dir()]
     assert len(saved) == 1 and saved[0].name.startswith("llama-")
     calls = _recorders(monkeypatch)
     messages.clear()
@@ -368,7 +368,7 @@ def test_gguf_tokenizer_cache_follows_the_tokenizer(tiny_gguf_file, tmp_path, ca
     first = load_model(str(path), LoadConfig(device="cpu", dtype="float32"), cache_dir=cache)
     write_tiny_gguf(path, seed=9, merges=("a b",))
     second = load_model(str(path), LoadConfig(device="cpu", dtype="float32"), cache_dir=cache)
-    assert len(list((cache / "tokenizers").iterdir())) == 2
+    assert len([kept for kept in (cache / "tokenizers").iterdir() if kept.is_dir()]) == 2
     assert first.tokenizer("abcd")["input_ids"] != second.tokenizer("abcd")["input_ids"]
 
 
@@ -622,3 +622,28 @@ def test_gguf_files_with_one_tokenizer_share_its_conversion_but_not_the_chat_tem
     assert (target.tokenizer.chat_template, draft.tokenizer.chat_template) == ("{{ 'target' }}", "{{ 'draft' }}")
     assert draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()
     assert load_tokenizer(str(other), config, cache_dir=cache).tokenizer.chat_template is None
+
+
+def test_a_later_start_finds_the_kept_tokenizer_without_reading_the_header(tmp_path, cache, monkeypatch):
+    """Which kept tokenizer a GGUF file takes is remembered by the file's size and modification
+    time: a later start does not parse its header again; a rewritten file is read again."""
+    import os
+
+    from speccli.models import gguf_file
+    from speccli.models.loading import load_tokenizer
+
+    path = tmp_path / "model.gguf"
+    write_tiny_gguf(path, seed=1, chat_template="{{ 'first' }}")
+    config = LoadConfig(device="cpu", dtype="float32")
+    load_tokenizer(str(path), config, cache_dir=cache)
+    gguf_file._read_header.cache_clear()  # as in a new process
+    reads = []
+    real = gguf_file.read_header
+    monkeypatch.setattr(gguf_file, "read_header", lambda p: reads.append(p) or real(p))
+    again = load_tokenizer(str(path), config, cache_dir=cache)
+    assert reads == [] and again.tokenizer.chat_template == "{{ 'first' }}"
+    write_tiny_gguf(path, seed=1, chat_template="{{ 'second' }}")
+    os.utime(path, ns=(1, 1))  # however fast the rewrite, its identity changes
+    gguf_file._read_header.cache_clear()
+    rewritten = load_tokenizer(str(path), config, cache_dir=cache)
+    assert reads == [path] and rewritten.tokenizer.chat_template == "{{ 'second' }}"
