@@ -55,7 +55,7 @@ from speccli.models import converted, offline
 from speccli.models.cpu import cpu_name, cpuinfo_field
 from speccli.models.errors import ModelLoadError
 from speccli.models.int8 import int8_problem, quantize_int8
-from speccli.models.plan import ALTERNATIVES, MemoryNeed, check_fits, memory_need, meta_model
+from speccli.models.plan import ALTERNATIVES, MemoryNeed, cached_hub_config, check_fits, memory_need, meta_model
 from speccli.models.torchao_quant import TORCHAO_QUANTS, check_torchao_quant, torchao_config
 from speccli.models.onednn import (
     choose_stock_rows,
@@ -810,14 +810,12 @@ def load_config(
     resolved = resolve(name, cache, progress)
     registered = shape_config(resolved.location) if shapes_only and resolved.kind == "hub" else None
     if registered is not None:
-        from transformers import AutoConfig
-
-        try:
-            return resolved, AutoConfig.from_pretrained(resolved.location, local_files_only=True)
-        except OSError:
-            if progress is not None:
-                progress(f"{name}: sizes from the shapes specgen registers for {resolved.location}")
-            return resolved, registered
+        here = cached_hub_config(resolved.location)
+        if here is not None:
+            return resolved, here
+        if progress is not None:
+            progress(f"{name}: sizes from the shapes specgen registers for {resolved.location}")
+        return resolved, registered
     with _explaining(name, resolved, "none", torch.device("cpu")):
         return resolved, _model_config(resolved, trust_remote_code)
 

@@ -244,8 +244,6 @@ def _with_layers(config, layers: int) -> torch.nn.Module:
 def _local_config(alias_name: str, cache_dir):
     from pathlib import Path
 
-    from transformers import AutoConfig
-
     from speccli.models import offline
     from speccli.models.gguf_weights import gguf_config
     from speccli.models.registry import ALIASES
@@ -257,7 +255,14 @@ def _local_config(alias_name: str, cache_dir):
         gguf = parts[0] if package.single_part else Path(cache_dir) / package.filename
         if gguf.is_file():
             return gguf_config(gguf)
+    return cached_hub_config(alias.hub_id)
+
+
+def cached_hub_config(hub_id: str):
+    """`hub_id`'s config from the Hugging Face cache, without the network; None when it is not there."""
+    from transformers import AutoConfig
+
     try:
-        return AutoConfig.from_pretrained(alias.hub_id, local_files_only=True)
+        return AutoConfig.from_pretrained(hub_id, local_files_only=True)
     except (OSError, ValueError):
         return None
