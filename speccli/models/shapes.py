@@ -14,33 +14,31 @@ from __future__ import annotations
 
 from typing import Any
 
-# hidden, intermediate, layers, attention heads, key/value heads, vocabulary, tied embeddings,
-# context; head_dim where the config gives one apart from hidden / heads.
-_LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
-_LLAMA3_70B = dict(_LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                   num_attention_heads=64)
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, tie_word_embeddings=False)
 _QWEN25 = dict(model_type="qwen2", vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768)
 _QWEN25_LARGE = dict(_QWEN25, vocab_size=152064, tie_word_embeddings=False)
-_QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, num_key_value_heads=8, tie_word_embeddings=False,
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, tie_word_embeddings=False,
               max_position_embeddings=40960)
 _VICUNA = dict(model_type="llama", vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=2048)
 _SMOLLM2 = dict(model_type="llama", vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
 
 
-def _qwen25(hidden: int, intermediate: int, layers: int, heads: int, kv: int, large: bool) -> dict[str, Any]:
-    return dict(_QWEN25_LARGE if large else _QWEN25, hidden_size=hidden, intermediate_size=intermediate,
-                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv)
+def _shape(family: dict[str, Any], hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+           **rest: Any) -> dict[str, Any]:
+    return dict(family, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, **rest)
 
 
+_LLAMA3_8B = _shape(_LLAMA3, 4096, 14336, 32, 32, 8)
+_LLAMA3_70B = _shape(_LLAMA3, 8192, 28672, 80, 64, 8)
 _QWEN25_SIZES = {
-    "0.5B": _qwen25(896, 4864, 24, 14, 2, False),
-    "1.5B": _qwen25(1536, 8960, 28, 12, 2, False),
-    "3B": _qwen25(2048, 11008, 36, 16, 2, False),
-    "7B": _qwen25(3584, 18944, 28, 28, 4, True),
-    "14B": _qwen25(5120, 13824, 48, 40, 8, True),
-    "32B": _qwen25(5120, 27648, 64, 40, 8, True),
-    "72B": _qwen25(8192, 29568, 80, 64, 8, True),
+    "0.5B": _shape(_QWEN25, 896, 4864, 24, 14, 2),
+    "1.5B": _shape(_QWEN25, 1536, 8960, 28, 12, 2),
+    "3B": _shape(_QWEN25, 2048, 11008, 36, 16, 2),
+    "7B": _shape(_QWEN25_LARGE, 3584, 18944, 28, 28, 4),
+    "14B": _shape(_QWEN25_LARGE, 5120, 13824, 48, 40, 8),
+    "32B": _shape(_QWEN25_LARGE, 5120, 27648, 64, 40, 8),
+    "72B": _shape(_QWEN25_LARGE, 8192, 29568, 80, 64, 8),
 }
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -49,38 +47,24 @@ SHAPES: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-3.1-8B-Instruct": dict(_LLAMA3_8B, max_position_embeddings=131072),
     "meta-llama/Llama-3.1-70B-Instruct": dict(_LLAMA3_70B, max_position_embeddings=131072),
     "meta-llama/Llama-3.3-70B-Instruct": dict(_LLAMA3_70B, max_position_embeddings=131072),
-    "meta-llama/Llama-3.2-3B-Instruct": dict(_LLAMA3_8B, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                                             num_attention_heads=24, head_dim=128, tie_word_embeddings=True,
-                                             max_position_embeddings=131072),
-    "meta-llama/Llama-3.2-1B-Instruct": dict(_LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                             num_attention_heads=32, head_dim=64, tie_word_embeddings=True,
-                                             max_position_embeddings=131072),
+    "meta-llama/Llama-3.2-3B-Instruct": _shape(_LLAMA3, 3072, 8192, 28, 24, 8, head_dim=128, tie_word_embeddings=True,
+                                               max_position_embeddings=131072),
+    "meta-llama/Llama-3.2-1B-Instruct": _shape(_LLAMA3, 2048, 8192, 16, 32, 8, head_dim=64, tie_word_embeddings=True,
+                                               max_position_embeddings=131072),
     **{f"Qwen/Qwen2.5-{size}-Instruct": shape for size, shape in _QWEN25_SIZES.items()},
     **{f"Qwen/Qwen2.5-Coder-{size}-Instruct": shape for size, shape in _QWEN25_SIZES.items() if size != "72B"},
-    "Qwen/Qwen3-0.6B": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                            num_attention_heads=16, tie_word_embeddings=True),
-    "Qwen/Qwen3-1.7B": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                            num_attention_heads=16, tie_word_embeddings=True),
-    "Qwen/Qwen3-4B": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                          num_attention_heads=32, tie_word_embeddings=True),
-    "Qwen/Qwen3-8B": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                          num_attention_heads=32),
-    "Qwen/Qwen3-14B": dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
-                           num_attention_heads=40),
-    "Qwen/Qwen3-32B": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-                           num_attention_heads=64),
-    "lmsys/vicuna-7b-v1.3": dict(_VICUNA, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=32),
-    "lmsys/vicuna-13b-v1.3": dict(_VICUNA, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                                  num_attention_heads=40, num_key_value_heads=40),
-    "lmsys/vicuna-33b-v1.3": dict(_VICUNA, hidden_size=6656, intermediate_size=17920, num_hidden_layers=60,
-                                  num_attention_heads=52, num_key_value_heads=52),
-    "HuggingFaceTB/SmolLM2-135M-Instruct": dict(_SMOLLM2, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                                num_attention_heads=9, num_key_value_heads=3),
-    "HuggingFaceTB/SmolLM2-360M-Instruct": dict(_SMOLLM2, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
-                                                num_attention_heads=15, num_key_value_heads=5),
-    "HuggingFaceTB/SmolLM2-1.7B-Instruct": dict(_SMOLLM2, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                                                num_attention_heads=32, num_key_value_heads=32),
+    "Qwen/Qwen3-0.6B": _shape(_QWEN3, 1024, 3072, 28, 16, 8, tie_word_embeddings=True),
+    "Qwen/Qwen3-1.7B": _shape(_QWEN3, 2048, 6144, 28, 16, 8, tie_word_embeddings=True),
+    "Qwen/Qwen3-4B": _shape(_QWEN3, 2560, 9728, 36, 32, 8, tie_word_embeddings=True),
+    "Qwen/Qwen3-8B": _shape(_QWEN3, 4096, 12288, 36, 32, 8),
+    "Qwen/Qwen3-14B": _shape(_QWEN3, 5120, 17408, 40, 40, 8),
+    "Qwen/Qwen3-32B": _shape(_QWEN3, 5120, 25600, 64, 64, 8),
+    "lmsys/vicuna-7b-v1.3": _shape(_VICUNA, 4096, 11008, 32, 32, 32),
+    "lmsys/vicuna-13b-v1.3": _shape(_VICUNA, 5120, 13824, 40, 40, 40),
+    "lmsys/vicuna-33b-v1.3": _shape(_VICUNA, 6656, 17920, 60, 52, 52),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": _shape(_SMOLLM2, 576, 1536, 30, 9, 3),
+    "HuggingFaceTB/SmolLM2-360M-Instruct": _shape(_SMOLLM2, 960, 2560, 32, 15, 5),
+    "HuggingFaceTB/SmolLM2-1.7B-Instruct": _shape(_SMOLLM2, 2048, 8192, 24, 32, 32),
 }
 
 
