@@ -19,7 +19,7 @@ def _output_size(model: torch.nn.Module) -> int:
     return int(size) if size is not None else int(head.weight.shape[0])
 
 
-def _is_split(model: torch.nn.Module) -> bool:
+def _is_split() -> bool:
     """Whether the model runs split over processes (specgen's --tp: transformers' plan)."""
     distributed = torch.distributed
     return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
@@ -108,7 +108,7 @@ class TransformersLM:
         tokens with it): the model's, or where tensor parallelism split the model, a whole
         copy of it (gathered: every rank runs this, see speccli.backends.distributed)."""
         embedding = self.model.get_input_embeddings()
-        if not _is_split(self.model):
+        if not _is_split():
             return embedding
         return torch.nn.Embedding.from_pretrained(_whole(embedding.weight), freeze=True)
 

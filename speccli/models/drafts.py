@@ -26,12 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speccli.models.registry import ALIASES, Alias
+from speccli.models.shapes import SHAPES
 
 AUTO = "auto"
 PROMPT_LOOKUP = "ngram"
 TOKENIZER_GROUPS = {"llama3": "llama3", "llama3.1": "llama3", "llama3.2": "llama3", "llama3.3": "llama3",
                     "qwen2.5": "qwen2.5", "qwen2.5-coder": "qwen2.5", "smollm2": "smollm2"}
 HEAD_LAYOUTS = ("eagle3", "eagle", "medusa")  # the order --draft auto prefers them in
+LAYOUT_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1/2", "medusa": "Medusa"}
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ def choose_draft(target: str, cuda: bool = False) -> DraftChoice:
     alias = registered(target)
     heads = heads_for(target) if cuda else []
     if heads:
-        return DraftChoice(heads[0].draft, f"the registered {_LAYOUT_WORDS[heads[0].layout]} head of {alias.name},"
+        return DraftChoice(heads[0].draft, f"the registered {LAYOUT_NAMES[heads[0].layout]} head of {alias.name},"
                                            " trained by its publisher on chat data")
     if alias is None:
         return DraftChoice(PROMPT_LOOKUP, f"{target} is not in specgen's registry, so no draft model is known to share"
@@ -135,9 +137,6 @@ def choose_draft(target: str, cuda: bool = False) -> DraftChoice:
     best = candidates[0]
     kind = "of its family" if best.family == alias.family else "with its tokenizer"
     return DraftChoice(best.name, f"the smallest registered model {kind} ({best.params})")
-
-
-_LAYOUT_WORDS = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1/2", "medusa": "Medusa"}
 
 
 @dataclass(frozen=True)
@@ -166,10 +165,9 @@ def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
         if head.layout == "medusa":
             size = "a residual block and an output layer per guessed position"
         else:
-            layers = _TARGET_LAYERS.get(alias.name)
-            size = f"one decoder layer, about 1/{layers} of the target's" if layers else "one decoder layer"
+            size = f"one decoder layer, about 1/{SHAPES[alias.hub_id]['num_hidden_layers']} of the target's"
         options.append(DraftOption(head.draft, "published head",
-                                   f"{_LAYOUT_WORDS[head.layout]} head ({size}; {acceptance}); downloaded on first use",
+                                   f"{LAYOUT_NAMES[head.layout]} head ({size}; {acceptance}); downloaded on first use",
                                    head.draft == chosen, head.draft == chosen_cuda))
     for model in draft_models_for(alias) if alias is not None else []:
         how = "same family" if model.family == alias.family else "same tokenizer"
@@ -185,8 +183,3 @@ def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
     options.append(DraftOption("lookahead", "drafter", "lookahead decoding: n-grams the target's own passes propose"))
     return options
 
-
-# Decoder layers of the registered targets that have published heads: a head is one layer.
-_TARGET_LAYERS = {"llama3-8b": 32, "llama3.1-8b": 32, "llama3-70b": 80, "llama3.3-70b": 80, "qwen3-1.7b": 28,
-                  "qwen3-4b": 36, "qwen3-8b": 36, "qwen3-14b": 40, "qwen3-32b": 64, "vicuna-7b": 32, "vicuna-13b": 40,
-                  "vicuna-33b": 60}

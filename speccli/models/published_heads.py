@@ -28,10 +28,9 @@ from typing import Any, Callable
 
 import torch
 
+from speccli.models.drafts import LAYOUT_NAMES
 from speccli.models.errors import HeadsMismatch, ModelLoadError
 
-LAYOUTS = ("eagle3", "eagle", "medusa")
-LAYOUT_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1/2", "medusa": "Medusa"}
 HUB_FILES = ["*.json", "*.safetensors", "*.bin", "*.pt"]
 # Where a head's config names the target layers it reads, and in which convention:
 # - "entering": id i is the input of layer i (transformers' hidden_states[i]), as vLLM reads the
