@@ -57,6 +57,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return draws.reshape(probs.shape[:-1])
 
 
+def sample_at(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token [1] of `probs` ([V]) where its cumulative distribution first exceeds
+    `uniform` ([1], in [0, 1)) times its mass: an exact draw for a uniform `uniform`, made of
+    device operations only (no host round trip), so that a CUDA graph can hold it. A token
+    of probability 0 is never drawn (the first index past `uniform` adds mass)."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    mass = cdf[-1:]
+    # Strictly below the mass, even where the product rounds up to it.
+    target = torch.minimum(uniform.double() * mass, torch.nextafter(mass, torch.zeros_like(mass)))
+    return torch.searchsorted(cdf, target, right=True)
+
+
 def accept_mask(
     p_of_draft: torch.Tensor, q_of_draft: torch.Tensor, uniform: torch.Tensor
 ) -> torch.Tensor:

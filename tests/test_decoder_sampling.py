@@ -4,6 +4,7 @@ the distribution computed by enumeration), and its caches roll back exactly."""
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 
 import pytest
@@ -33,6 +34,8 @@ CONTINUATION = 3
 # 0.14 / 0.82 / 3e-25. The marginals find a wrong rule at a step from far fewer draws than
 # the joint, whose mass is spread over vocab**3 bins; the joint finds what happens later.
 DRAWS = 6_000
+# Draft chains drafted on the device (StaticCausalLM.chain), drawn by inverting q's distribution.
+wrap_chains = functools.partial(wrap_static, device_chains=True)
 
 
 def exact_continuation_distribution(model, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
@@ -112,12 +115,15 @@ def small_pair():
         (SamplingConfig(temperature=1.0, seed=2468), 0.12, wrap, False),
         # The static-cache backend (rollback moves a write position) samples exactly too.
         (SamplingConfig(temperature=1.0, seed=1357), 0.12, wrap_static, False),
+        (SamplingConfig(temperature=1.0, seed=1358), 0.12, wrap_chains, False),
+        (SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, seed=4322), 0.0, wrap_chains, False),
         # Trees: siblings drawn without replacement, the multi-candidate rule, the path's
         # cache entries moved into place (and a tree's depth decided by its own draws).
         (SamplingConfig(temperature=1.0, seed=9753), 0.0, wrap, True),
         (SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, seed=8642), 0.0, wrap_static, True),
     ],
-    ids=["t1", "t0.7-topk6-topp0.9", "t1-early-stop", "t1-early-stop-static-cache", "t1-tree", "t0.7-topk6-topp0.9-tree-static-cache"],
+    ids=["t1", "t0.7-topk6-topp0.9", "t1-early-stop", "t1-early-stop-static-cache", "t1-early-stop-device-chains",
+         "t0.7-topk6-topp0.9-device-chains", "t1-tree", "t0.7-topk6-topp0.9-tree-static-cache"],
 )
 def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sampling, stop_confidence, backend, tree, monkeypatch):
     # The rejection rule, which runs when no seed is given; seeded here (through the

@@ -108,6 +108,7 @@ class FavouriteLM:
     """A CausalLM stub over `rows` ids whose logits favour `favourite` above all; it records what it is fed."""
 
     setup_seconds = 0.0
+    chains = False
 
     def __init__(self, rows: int, favourite: int) -> None:
         self.vocab_size, self.favourite = rows, favourite

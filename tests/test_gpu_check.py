@@ -36,7 +36,8 @@ def test_the_smoke_run_measures_every_stage(tmp_path):
     assert data["profile"]["bf16"]["pass"]["cpu_ops"] > 0 and data["profile"]["bf16"]["loop_step"]["wall_ms"] > 0
     costs = data["pass_costs"]["bf16"]
     assert list(costs["contexts"]) == ["64", "300"] and list(costs["contexts"]["64"]["ms"]) == ["1", "2", "4", "8"]
-    assert set(costs["draft_token_ms"]) == {"self", "0.5b"}
+    assert set(costs["draft_token_ms"]) == set(costs["draft_chain_ms"]) == {"self", "0.5b"}
+    assert all(c["device"] > 0 and c["host"] > 0 and not c["host_chains"] for c in costs["draft_chain_ms"].values())
     runs = data["speed"]["bf16"]
     assert runs["specgen-draft-self-k4"]["acceptance"] > 0.5 > runs["specgen-draft-0.5b-k4"]["acceptance"]
     assert runs["specgen-plain"]["tokens"] == 2 * 16 and runs["specgen-plain"]["predicted_tokens_per_s"] > 0

@@ -4,9 +4,35 @@ implement it; the checks they all make of their arguments are here."""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Hashable, Protocol, Sequence
 
 import torch
+
+
+class ChainPicker(Protocol):
+    """How a draft chain picks each token from the draft's logits, on the device: only
+    tensor operations (no value read back to the host), so that a whole chain can be
+    replayed as one CUDA graph. Its randomness lives in buffers it refills before each chain."""
+
+    # Two pickers with equal keys pick alike from the same buffers: a graph captured with
+    # one replays for the other.
+    key: Hashable
+
+    def pick(self, logits: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """logits [V_draft] -> (token [1] long, the draft's probability of it [1] float32,
+        the warped q [V_target] it was drawn from, or None when greedy)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Chain:
+    """What `CausalLM.chain` drafted: the tokens, the draft's probability of each, and the
+    warped q of each ([len(tokens), V_target], None when greedy) on the model's device."""
+
+    tokens: list[int]
+    confidence: list[float]
+    probs: torch.Tensor | None
 
 
 class CausalLM(Protocol):
@@ -15,6 +41,8 @@ class CausalLM(Protocol):
     # Seconds of one-time setup spent inside passes so far (a CUDA graph captured on first
     # use): the decoder keeps them out of the steps' timings.
     setup_seconds: float
+    # Runs a whole draft chain on the device (`chain`): the backends with CUDA graphs.
+    chains: bool
 
     @property
     def vocab_size(self) -> int: ...
@@ -49,6 +77,13 @@ class CausalLM(Protocol):
         ones) where its row of `visible` ([n, cached - window_start + n], bool) is True.
         Returns float32 logits [n, V]. The cache then holds them all, in fed order, until
         `keep` or `rollback` says which stay."""
+        ...
+
+    def chain(self, logits: torch.Tensor, steps: int, picker: ChainPicker) -> Chain:
+        """Draft `steps` tokens on the device (backends with `chains`): pick the first from
+        `logits` ([V], the last context token's, on the device), feed it, pick the next from
+        its logits, and so on; the cache then holds every picked token but the last. One copy
+        reaches the host per chain."""
         ...
 
     def keep(self, start: int, offsets: Sequence[int]) -> None:

@@ -215,6 +215,9 @@ class LeaderLM:
     the other ranks waiting in its collectives."""
 
     # Besides the cache's operations, those that gather what a drafter needs whole.
+    # A chain's passes would run on this rank alone: drafts are driven from the host here.
+    chains = False
+
     OPERATIONS = ("forward", "forward_tree", "rollback", "keep", "capture_hidden", "input_embedding", "output_rows")
 
     def __init__(self, lm) -> None:

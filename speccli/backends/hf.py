@@ -37,6 +37,7 @@ class TransformersLM:
     its forward names the cache, its device, and the ids the cache holds."""
 
     setup_seconds = 0.0  # eager passes: no one-time setup (StaticCausalLM counts its graph captures)
+    chains = False  # a draft chain is a pass per token, driven from the host (StaticCausalLM graphs it)
 
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
         self.model = model.eval()

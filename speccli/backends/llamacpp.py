@@ -181,6 +181,7 @@ class LlamaCppLM:
     """A llama.cpp context over loaded weights, at batch size 1 (see the module's doc)."""
 
     setup_seconds = 0.0  # no one-time setup inside passes
+    chains = False  # draft chains are driven from the host, a pass per token
 
     def __init__(
         self,

@@ -33,6 +33,10 @@ preallocated (static) KV cache, and input buffers that are refilled in place.
   replayed one at a time, and each output is copied out before the next replay.
   A model whose pass cannot be captured (a capture error, e.g. a kernel that synchronises)
   falls back to eager passes over the same static cache; `graphs_error` says why.
+* A draft model's chain of k tokens (`chain`) runs on the device: each token picked from
+  the last pass's logits (speccli.drafters.chain) and fed to the next pass, with no host
+  round trip between them; on CUDA the whole chain is one graph per (k, window, picker),
+  and its tokens reach the host in one copy.
 * With `compile`, the passes of up to `max_fed` tokens run the model through
   `torch.compile` (inductor fuses the small kernels of norms, rotary embeddings, activations
   and residual adds), compiled on first use (the warm-up before a capture) and replayed inside
@@ -52,7 +56,7 @@ from typing import Sequence
 import torch
 
 from speccli.backends.attention import WINDOW_SDPA, pack_mask, query_groups, use_windowed_attention, window_for
-from speccli.backends.base import check_tree_pass
+from speccli.backends.base import Chain, ChainPicker, check_tree_pass
 from speccli.backends.hf import TransformersLM
 
 DEFAULT_CAPACITY = 4096
@@ -103,6 +107,7 @@ class StaticCausalLM(TransformersLM):
         max_fed: int = DEFAULT_MAX_FED,
         prefill_chunk: int = PREFILL_CHUNK,
         compile: bool = False,
+        device_chains: bool | None = None,
     ) -> None:
         problem = static_cache_problem(model)
         if problem is not None:
@@ -133,6 +138,12 @@ class StaticCausalLM(TransformersLM):
         self._ids_buffer: torch.Tensor | None = None
         self._positions_buffer: torch.Tensor | None = None
         self._mask_buffer: torch.Tensor | None = None
+        # Draft chains (`chain`): a graph per (length, window, picker), and their inputs: the
+        # first token's logits and the chain's first position.
+        self._device_chains = device_chains
+        self._chain_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self._chain_logits: torch.Tensor | None = None
+        self._chain_start: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ protocol
 
@@ -165,6 +176,45 @@ class StaticCausalLM(TransformersLM):
         super().capture_hidden(layers)
         if first:
             self._drop_graphs()  # captured without the hidden states' buffer
+
+    @property
+    def chains(self) -> bool:
+        """Whether draft chains run here (`chain`): where passes replay as CUDA graphs (a
+        chain is then one graph, with no host round trip per token), or as `device_chains`
+        says. Not for a model whose hidden states are kept (a target's)."""
+        wanted = self.graphs_enabled if self._device_chains is None else self._device_chains
+        return bool(wanted) and self._hidden_hook is None
+
+    def chain(self, logits: torch.Tensor, steps: int, picker: ChainPicker) -> Chain:
+        if steps < 1:
+            raise ValueError(f"a chain drafts at least one token, not {steps}")
+        if self._hidden_hook is not None:
+            raise RuntimeError("draft chains do not keep hidden states; this model keeps them")
+        started = time.perf_counter()
+        start = len(self._tokens)
+        self.reserve(start + steps - 1)
+        width = self.window(start + steps - 1)
+        try:
+            with torch.inference_mode():
+                if self._chain_logits is None or self._chain_logits.shape != logits.shape:
+                    self._chain_logits = torch.zeros(logits.shape, dtype=torch.float32, device=self._device)
+                    self._chain_start = torch.zeros((1, 1), dtype=torch.long, device=self._device)
+                    self._chain_graphs.clear()
+                self._chain_logits.copy_(logits)
+                self._chain_start.fill_(start)
+                if self.graphs_enabled:
+                    tokens, confidence, probs = self._replay_chain(steps, width, picker, start)
+                else:
+                    tokens, confidence, probs = self._chain_passes(steps, width, picker)
+                # The chain's one copy to the host (ids are exact in float64).
+                picked = torch.stack([tokens.double(), confidence.double()]).cpu()
+        except BaseException:
+            self._set_length(start)
+            raise
+        ids = [int(i) for i in picked[0].tolist()]
+        self._tokens.extend(ids[:-1])
+        self.forward_seconds += time.perf_counter() - started
+        return Chain(ids, picked[1].tolist(), probs)
 
     def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
         if not token_ids:
@@ -356,6 +406,24 @@ class StaticCausalLM(TransformersLM):
             self._compiled = torch.compile(self.model, dynamic=None, fullgraph=False)
         return self._compiled
 
+    def _chain_passes(
+        self, steps: int, width: int, picker: ChainPicker
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A chain's picks and its steps - 1 one-token passes, on the device only: (tokens
+        [steps], their probabilities [steps], q [steps, V] or None)."""
+        logits = self._chain_logits
+        tokens, confidence, probs = [], [], []
+        for index in range(steps):
+            token, chance, q = picker.pick(logits, index)
+            tokens.append(token)
+            confidence.append(chance.float())
+            if q is not None:
+                probs.append(q)
+            if index + 1 < steps:
+                positions = self._chain_start + index
+                logits = self._run(self._cache, token.view(1, 1), positions, all_logits=False, width=width)[0, -1].float()
+        return torch.cat(tokens), torch.cat(confidence), torch.stack(probs) if probs else None
+
     def _eager_chunks(self, token_ids: list[int], start: int, all_logits: bool) -> torch.Tensor:
         rows: list[torch.Tensor] = []
         for offset in range(0, len(token_ids), self.prefill_chunk):
@@ -381,6 +449,7 @@ class StaticCausalLM(TransformersLM):
 
     def _drop_graphs(self) -> None:
         self._graphs.clear()
+        self._chain_graphs.clear()
         self._pool = None
         self._ids_buffer = None
         self._positions_buffer = None
@@ -434,6 +503,34 @@ class StaticCausalLM(TransformersLM):
         self._hidden_parts = [] if hidden is None else [hidden.clone()]
         return output[0].to(torch.float32, copy=True)
 
+    def _replay_chain(
+        self, steps: int, width: int, picker: ChainPicker, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Replay the chain's graph (captured on first use); its outputs copied out."""
+        key = (steps, width, picker.key)
+        captured = self._chain_graphs.get(key)
+        if captured is None:
+            began = time.perf_counter()
+            try:
+                self._capturing = True
+                with torch.cuda.device(self._device):
+                    captured = self._capture_chain(key, steps, width, picker, start)
+            except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly from now on
+                self.graphs_error = f"{type(error).__name__}: {error}"
+                self.graphs_enabled = False
+                self._drop_graphs()
+                self._set_length(start)
+            finally:
+                self._capturing = False
+                self.setup_seconds += time.perf_counter() - began
+            if captured is None:
+                return self._chain_passes(steps, width, picker)
+        graph, outputs = captured
+        with torch.cuda.device(self._device):
+            graph.replay()
+        tokens, confidence, probs = (None if t is None else t.clone() for t in outputs)
+        return tokens, confidence, probs
+
     def _capture(
         self, n: int, start: int, width: int, tree: bool = False
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
@@ -465,3 +562,27 @@ class StaticCausalLM(TransformersLM):
         self._graphs[(n, tree, width)] = (graph, output, hidden)
         torch.cuda.synchronize(self._device)  # the warm-up passes count as setup, not as the next pass
         return graph, output, hidden
+
+    def _capture_chain(
+        self, key: tuple, steps: int, width: int, picker: ChainPicker, start: int
+    ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+        """Capture a whole chain, as `_capture` does one pass (warm-ups on a side stream,
+        the write position put back to `start` after each)."""
+        self._initialize(self._cache)
+        stream = torch.cuda.Stream(device=self._device)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._set_length(start)
+                self._chain_passes(steps, width, picker)
+        torch.cuda.current_stream(self._device).wait_stream(stream)
+        self._set_length(start)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = self._chain_passes(steps, width, picker)
+        self._set_length(start)
+        self._chain_graphs[key] = (graph, outputs)
+        torch.cuda.synchronize(self._device)
+        return graph, outputs

@@ -4,6 +4,7 @@ tree where it is unsure)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -12,6 +13,7 @@ from speccli.backends.base import CausalLM, common_prefix_length
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
 from speccli.drafters.base import Draft, Drafter, align_vocab, draw
+from speccli.drafters.chain import DevicePicker
 from speccli.drafters.trees import GrownTree, TreeSource, feed_window, grow_tree
 from speccli.tree import TokenTree, TreeShape
 
@@ -54,6 +56,8 @@ class ModelDrafter(Drafter):
         # the tokens after it would rarely survive, and each costs a draft pass.
         self.stop_confidence = stop_confidence
         self._grown: GrownTree | None = None
+        # Per (sampling, coupled): the picker of the chains drafted on the device (`model.chains`).
+        self._pickers: dict[tuple[SamplingConfig, bool], DevicePicker] = {}
 
     @property
     def draft_model(self) -> CausalLM:
@@ -105,6 +109,8 @@ class ModelDrafter(Drafter):
         if k <= 0:
             return Draft([])
         logits = self.context_logits(context)
+        if self.model.chains:
+            return self._chain(logits, k, sampling, generator, noise)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
@@ -119,6 +125,29 @@ class ModelDrafter(Drafter):
                 break
             logits = self.model.forward([token], all_logits=False)[-1]
         return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def _chain(
+        self, logits: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, noise: Noise | None
+    ) -> Draft:
+        """The k tokens drafted on the device in one call (`CausalLM.chain`), then cut after
+        the first the draft was unsure of, as the pass-by-pass loop stops there."""
+        picker = self._picker(sampling, noise is not None, k)
+        picker.load(k, generator, noise)
+        chain = self.model.chain(logits, k, picker)
+        kept = next((i + 1 for i, c in enumerate(chain.confidence) if c < self.stop_confidence), k)
+        if kept < k:  # the cache holds every token but the last: keep those before the cut
+            self.model.rollback(len(self.model.cached_tokens) - (k - kept))
+        return Draft(chain.tokens[:kept], None if chain.probs is None else chain.probs[:kept])
+
+    def _picker(self, sampling: SamplingConfig, coupled: bool, k: int) -> DevicePicker:
+        # The seed only selects the randomness a picker is loaded with: not a picker (or graph) of its own.
+        key = (replace(sampling, seed=None), coupled)
+        picker = self._pickers.get(key)
+        if picker is None or picker.rows < k:
+            rows = max(k, 2 * picker.rows if picker is not None else 8)
+            picker = DevicePicker(sampling, coupled, self.target_vocab_size, self.shared_vocab, self.model.device, rows)
+            self._pickers[key] = picker
+        return picker
 
     def propose_tree(
         self,
