@@ -48,7 +48,7 @@ def test_the_smoke_run_measures_every_stage(tmp_path):
     assert "## tokens/s, bf16" in table and "| specgen-tree-self |" in table
     heads = data["eagle3"]  # the EAGLE-3 stage: features of three layers kept, a head step timed
     assert heads["features_width"] == 3 * 64 and list(heads["verify_ms"]) == ["1", "8", "16"]
-    assert heads["head_step_ms"] > 0 and "## EAGLE-3 head on a smoke target" in table
+    assert heads["head_step_ms"] > 0 and heads["head_step_ms_host_picks"] > 0 and "## EAGLE-3 head on a smoke target" in table
     assert result.stdout == table + "\n"
 
 

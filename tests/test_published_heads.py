@@ -28,6 +28,7 @@ from published_layouts import (
 )
 from speccli.cli import app
 from speccli.config import SamplingConfig, SpecConfig
+from speccli.coupling import PositionNoise
 from speccli.events import StepEvent
 from speccli.loop import SpeculativeDecoder
 from speccli.models.errors import HeadsMismatch
@@ -144,6 +145,43 @@ def test_k_auto_drafts_with_a_published_head(tokenizer, target, tmp_path, tree):
         assert emitted(events) == target_greedy(target, ids)[:24], prompt
 
 
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, seed=99)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("name", ["eagle3-bin", "eagle-bin"])
+def test_eagle_chains_picked_on_the_device_give_the_targets_own_output(tokenizer, target, tmp_path, name, sampling):
+    """EagleDrafter's device chains (on by default on CUDA): each token picked and fed back
+    on the device, the draft read once; the same tokens as the pass-by-pass loop, and so the
+    target's own greedy text or seeded sample."""
+    layout, write = LAYOUTS[name]
+    folder = write(tmp_path / name, target)
+    host, device = load(layout, folder, target), load(layout, folder, target)
+    assert not host.device_chains  # the CPU default
+    device.device_chains = True
+    plain = SpeculativeDecoder(wrap(target), tokenizer, [2])
+    decoders = [SpeculativeDecoder(wrap(target), tokenizer, [2], d) for d in (host, device)]
+    for prompt in PROMPTS:
+        ids = encode(tokenizer, prompt)
+        want = emitted(plain.generate(ids, sampling, SpecConfig(k=0, max_new_tokens=24)))
+        runs = [list(d.generate(ids, sampling, SpecConfig(k=4, max_new_tokens=24))) for d in decoders]
+        assert emitted(runs[1]) == emitted(runs[0]) == want, prompt
+        steps = [[(e.drafted, e.accepted) for e in run if isinstance(e, StepEvent)] for run in runs]
+        assert steps[1] == steps[0], prompt  # the same drafts, cut where the loop stops
+    if sampling.seed is not None:  # and the same q, read at the same positions
+        context = encode(tokenizer, PROMPTS[0])
+        noise = PositionNoise(sampling.seed, target.config.vocab_size)
+        drafts = []
+        for drafter in (host, device):
+            lm = wrap(target)
+            lm.capture_hidden(drafter.feature_layers)
+            lm.forward(context[:-1])
+            drafter.rollback(0)
+            drafter.start(context)
+            drafter.observe_features(0, lm.last_hidden)
+            drafter.stop_confidence = 0.0
+            drafts.append(drafter.propose(context, 4, sampling, None, noise))
+        assert drafts[1].tokens == drafts[0].tokens
+        torch.testing.assert_close(drafts[1].probs, drafts[0].probs)
+
+
 def test_a_draft_vocabulary_with_gaps_maps_through_d2t(tokenizer, target, tmp_path):
     drafter = load("eagle3", eagle3_folder(tmp_path / "h", target), target)
     assert drafter.vocab.ids.tolist() == draft_ids_with_gaps(target.config.vocab_size, DRAFT_VOCAB).tolist()
@@ -173,8 +211,11 @@ def test_seeded_sampling_is_the_targets_own_sample(tokenizer, target, tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, tree", [("eagle3", False), ("eagle3", True), ("eagle", False), ("medusa", True)])
-def test_published_heads_sample_the_exact_target_distribution(tmp_path, layout, tree, monkeypatch):
+@pytest.mark.parametrize("layout, tree, chains", [
+    ("eagle3", False, False), ("eagle3", True, False), ("eagle", False, False), ("medusa", True, False),
+    ("eagle3", False, True),  # tokens picked on the device by inverting q's distribution
+], ids=["eagle3-chain", "eagle3-tree", "eagle-chain", "medusa-tree", "eagle3-device-chain"])
+def test_published_heads_sample_the_exact_target_distribution(tmp_path, layout, tree, chains, monkeypatch):
     monkeypatch.setattr(decoder_module, "coupled", lambda sampling: False)
     tokenizer = char_tokenizer(ALPHABET)
     vocab = len(tokenizer)
@@ -186,7 +227,10 @@ def test_published_heads_sample_the_exact_target_distribution(tmp_path, layout, 
                               torch.arange(3, vocab))
     else:
         folder = LAYOUTS[f"{layout}-bin" if layout == "eagle" else "medusa-pt"][1](tmp_path / "h", target)
-    decoder = SpeculativeDecoder(wrap(target), tokenizer, [], load(layout, folder, target))
+    drafter = load(layout, folder, target)
+    if chains:
+        drafter.device_chains = True
+    decoder = SpeculativeDecoder(wrap(target), tokenizer, [], drafter)
     assert_samples_follow_the_target(decoder, target, tokenizer, tree)
 
 

@@ -6,7 +6,8 @@ every token's pick stays on the device and the chain costs one copy to the host.
 
 from __future__ import annotations
 
-from typing import Hashable
+from dataclasses import replace
+from typing import Hashable, Sequence
 
 import torch
 
@@ -69,3 +70,31 @@ class DevicePicker:
         else:
             token = sample_at(q, self.uniform[index])
         return token, q.gather(-1, token), q
+
+
+class Pickers:
+    """A drafter's pickers: one per warp (the seed only selects what one is loaded with, not a
+    picker or a graph of its own), grown to the longest chain asked for."""
+
+    def __init__(self, target_vocab: int, shared_vocab: int, device: torch.device) -> None:
+        self.target_vocab, self.shared_vocab, self.device = target_vocab, shared_vocab, device
+        self._pickers: dict[tuple[SamplingConfig, bool], DevicePicker] = {}
+
+    def loaded(
+        self, sampling: SamplingConfig, steps: int, generator: torch.Generator | None, noise: Noise | None
+    ) -> DevicePicker:
+        """The picker for this warp, loaded with the randomness of a chain of `steps` tokens."""
+        key = (replace(sampling, seed=None), noise is not None)
+        picker = self._pickers.get(key)
+        if picker is None or picker.rows < steps:
+            rows = max(steps, 2 * picker.rows if picker is not None else 8)
+            picker = DevicePicker(sampling, key[1], self.target_vocab, self.shared_vocab, self.device, rows)
+            self._pickers[key] = picker
+        picker.load(steps, generator, noise)
+        return picker
+
+
+def kept_until_unsure(confidence: Sequence[float], stop_confidence: float) -> int:
+    """How many of a chain's tokens the pass-by-pass loop would have drafted: up to and
+    including the first the draft gave less than `stop_confidence`."""
+    return next((i + 1 for i, c in enumerate(confidence) if c < stop_confidence), len(confidence))

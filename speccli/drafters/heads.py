@@ -21,6 +21,7 @@ from speccli.backends.base import common_prefix_length
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
 from speccli.drafters.base import Draft, Drafter, draw
+from speccli.drafters.chain import Pickers, kept_until_unsure
 from speccli.drafters.trees import TreeSource, feed_window, grow_tree
 from speccli.drafters.eagle3_layer import Eagle3Head
 from speccli.drafters.eagle_layer import EagleHead, additive_mask
@@ -161,18 +162,23 @@ class EagleDrafter(HeadPasses, Drafter):
         stop_confidence: float = 0.0,
         dtype: torch.dtype | None = None,
         feature_layers: tuple[int, ...] | None = None,
+        device_chains: bool | None = None,
     ) -> None:
         """`output` turns the head's output into logits over `vocab` (the target's rows for
         it, or an EAGLE-3 head's own norm and output layer); `feature_layers`: the target
-        layers whose inputs an EAGLE-3 head reads (None: the target's last hidden state)."""
+        layers whose inputs an EAGLE-3 head reads (None: the target's last hidden state);
+        `device_chains`: pick each drafted token on the device and feed it back there, with
+        one copy to the host per draft (None: on CUDA, where a copy waits for the GPU)."""
         self.dtype = dtype or next(head.parameters()).dtype
         self.head = head.eval().to(self.dtype)
-        self.vocab = vocab
+        self.device = embeddings.weight.device
+        self.vocab = replace(vocab, ids=vocab.ids.to(self.device))  # to_target reads them every step
         self.embeddings = embeddings
         self.output = output.to(self.dtype)
         self.stop_confidence = stop_confidence
         self.feature_layers = feature_layers
-        self.device = embeddings.weight.device
+        self.device_chains = self.device.type == "cuda" if device_chains is None else device_chains
+        self._pickers = Pickers(vocab.target_size, vocab.target_size, self.device)
         self._reset()
 
     def _reset(self) -> None:
@@ -226,12 +232,15 @@ class EagleDrafter(HeadPasses, Drafter):
         else:
             self._pending = torch.cat([self._pending[: start - self._real], features])
 
-    def _step(self, features: torch.Tensor, tokens: Sequence[int], first: int) -> torch.Tensor:
-        """Feed entries at positions first.. (features [n, hidden], the tokens after them);
-        returns the predicted features [n, hidden]."""
+    def _step(self, features: torch.Tensor, tokens: Sequence[int] | torch.Tensor, first: int) -> torch.Tensor:
+        """Feed entries at positions first.. (features [n, hidden], the tokens after them, ids
+        or a [1, n] tensor on the device); returns the predicted features [n, hidden]."""
         if self._cache is None:
             self._cache = self.head.new_cache()
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        if isinstance(tokens, torch.Tensor):
+            ids = tokens
+        else:
+            ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         embeds = self.embeddings(ids).to(self.dtype)
         positions = torch.arange(first, first + len(tokens), device=self.device)[None]
         out = self._pass(self.head, features[None], embeds, positions, cache=self._cache)
@@ -253,6 +262,8 @@ class EagleDrafter(HeadPasses, Drafter):
             feature = self._root(context)
             if feature is None:
                 return Draft([])
+            if self.device_chains:
+                return self._chain(feature, n, k, sampling, generator, noise)
             tokens: list[int] = []
             probs: list[torch.Tensor] = []
             for i in range(k):
@@ -267,6 +278,33 @@ class EagleDrafter(HeadPasses, Drafter):
                     break
                 feature = self._step(feature[None], [token], n - 1 + i)[-1]
         return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def _chain(
+        self,
+        feature: torch.Tensor,
+        n: int,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        noise: Noise | None,
+    ) -> Draft:
+        """The k steps with each token picked on the device (speccli.drafters.chain) and fed
+        back from there: the host reads the draft once, and cuts it after the first unsure
+        token. (Not one graph: the head's cache grows by concatenation.)"""
+        picker = self._pickers.loaded(sampling, k, generator, noise)
+        tokens, confidence, probs = [], [], []
+        for i in range(k):
+            token, chance, q = picker.pick(self._logits(feature), i)
+            tokens.append(token)
+            confidence.append(chance.float())
+            if q is not None:
+                probs.append(q)
+            if i + 1 < k:
+                feature = self._step(feature[None], token.view(1, 1), n - 1 + i)[-1]
+        picked = torch.stack([torch.cat(tokens).double(), torch.cat(confidence).double()]).cpu()
+        kept = kept_until_unsure(picked[1].tolist(), self.stop_confidence)
+        ids = [int(t) for t in picked[0, :kept].tolist()]
+        return Draft(ids, torch.stack(probs[:kept]) if probs else None)
 
     def _root(self, context: Sequence[int]) -> torch.Tensor | None:
         """Feed the real features not fed yet (dropping last step's drafted entries) and

@@ -4,7 +4,6 @@ tree where it is unsure)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -13,7 +12,7 @@ from speccli.backends.base import CausalLM, common_prefix_length
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
 from speccli.drafters.base import Draft, Drafter, align_vocab, draw
-from speccli.drafters.chain import DevicePicker
+from speccli.drafters.chain import Pickers, kept_until_unsure
 from speccli.drafters.trees import GrownTree, TreeSource, feed_window, grow_tree
 from speccli.tree import TokenTree, TreeShape
 
@@ -56,8 +55,8 @@ class ModelDrafter(Drafter):
         # the tokens after it would rarely survive, and each costs a draft pass.
         self.stop_confidence = stop_confidence
         self._grown: GrownTree | None = None
-        # Per (sampling, coupled): the picker of the chains drafted on the device (`model.chains`).
-        self._pickers: dict[tuple[SamplingConfig, bool], DevicePicker] = {}
+        # What picks the tokens of chains drafted on the device (`model.chains`).
+        self._pickers = Pickers(target_vocab_size, self.shared_vocab, model.device)
 
     @property
     def draft_model(self) -> CausalLM:
@@ -131,23 +130,11 @@ class ModelDrafter(Drafter):
     ) -> Draft:
         """The k tokens drafted on the device in one call (`CausalLM.chain`), then cut after
         the first the draft was unsure of, as the pass-by-pass loop stops there."""
-        picker = self._picker(sampling, noise is not None, k)
-        picker.load(k, generator, noise)
-        chain = self.model.chain(logits, k, picker)
-        kept = next((i + 1 for i, c in enumerate(chain.confidence) if c < self.stop_confidence), k)
+        chain = self.model.chain(logits, k, self._pickers.loaded(sampling, k, generator, noise))
+        kept = kept_until_unsure(chain.confidence, self.stop_confidence)
         if kept < k:  # the cache holds every token but the last: keep those before the cut
             self.model.rollback(len(self.model.cached_tokens) - (k - kept))
         return Draft(chain.tokens[:kept], None if chain.probs is None else chain.probs[:kept])
-
-    def _picker(self, sampling: SamplingConfig, coupled: bool, k: int) -> DevicePicker:
-        # The seed only selects the randomness a picker is loaded with: not a picker (or graph) of its own.
-        key = (replace(sampling, seed=None), coupled)
-        picker = self._pickers.get(key)
-        if picker is None or picker.rows < k:
-            rows = max(k, 2 * picker.rows if picker is not None else 8)
-            picker = DevicePicker(sampling, coupled, self.target_vocab_size, self.shared_vocab, self.model.device, rows)
-            self._pickers[key] = picker
-        return picker
 
     def propose_tree(
         self,
