@@ -59,12 +59,14 @@ from speccli.config import SamplingConfig, SpecConfig  # noqa: E402
 from speccli.drafters.model import ModelDrafter  # noqa: E402
 from speccli.events import FinishEvent, PrefillEvent, StepEvent, TokenEvent  # noqa: E402
 from speccli.loop import SpeculativeDecoder  # noqa: E402
+from speccli.models.fused import fuse_projections  # noqa: E402
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32)
 CONTEXTS = (256, 2048)
 # Shares of --budget per stage (the rest is slack for loading and writing).
 # The formats share what is left after these.
-SHARES = {"environment": 0.03, "correctness": 0.2, "profile": 0.05, "peers": 0.2, "projection": 0.07, "eagle3": 0.08}
+SHARES = {"environment": 0.03, "correctness": 0.2, "profile": 0.05, "peers": 0.2, "projection": 0.07, "eagle3": 0.08,
+          "fusion": 0.04}
 # The real offline pair's shapes (Qwen2.5-Coder 1.5B target, 0.5B draft) for the projection.
 PAIR_TARGET = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                    intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)
@@ -292,7 +294,11 @@ def correctness(plan: Plan, device: torch.device, text, clock: Clock) -> dict:
     prompts = prompts_for(plan, target.config.vocab_size)
     references = [reference_tokens(target, p, plan.new_tokens) for p in prompts]
     checks = []
-    for graphs in (True, False) if device.type == "cuda" else (False,):
+    # Unfused with graphs and without, then fused as `--quant none` loads a model on CUDA.
+    for graphs, fused in ((True, False), (False, False), (True, True)) if device.type == "cuda" else ((False, False), (False, True)):
+        if fused:
+            fuse_projections(target)
+            fuse_projections(self_draft)
         target_lm = StaticCausalLM(target, graphs=graphs)
         drafter = ModelDrafter(StaticCausalLM(self_draft, graphs=graphs), target.config.vocab_size)
         decoder = SpeculativeDecoder(target_lm, text, [], drafter)
@@ -300,7 +306,7 @@ def correctness(plan: Plan, device: torch.device, text, clock: Clock) -> dict:
             clock.check("the float32 checks")
             spec = SpecConfig(k=4, max_new_tokens=plan.new_tokens, tree=tree)
             equal = [greedy_tokens(decoder, p, spec) == r for p, r in zip(prompts, references)]
-            checks.append({"dtype": "float32", "graphs": target_lm.graphs_enabled, "tree": tree,
+            checks.append({"dtype": "float32", "graphs": target_lm.graphs_enabled, "fused": fused, "tree": tree,
                            "equal": sum(equal), "prompts": len(equal), "graphs_error": target_lm.graphs_error})
     result["float32_greedy"] = checks
     del target, self_draft, decoder, drafter, target_lm
@@ -309,6 +315,8 @@ def correctness(plan: Plan, device: torch.device, text, clock: Clock) -> dict:
     clock.check("the bfloat16 check")
     target, self_draft = build_target(plan, device, torch.bfloat16)
     references = [reference_tokens(target, p, plan.new_tokens) for p in prompts]
+    fuse_projections(target)  # as the product loads them
+    fuse_projections(self_draft)
     target_lm = StaticCausalLM(target)
     decoder = SpeculativeDecoder(target_lm, text, [], ModelDrafter(StaticCausalLM(self_draft), target.config.vocab_size))
     divergences = []
@@ -475,6 +483,24 @@ def chain_costs(draft, device: torch.device, fmt: str, context_tokens: int, k: i
     return result
 
 
+def fusion(plan: Plan, device: torch.device, clock: Clock, target) -> dict:
+    """One-token and widest pass costs of the bf16 target before and after its q/k/v and
+    gate/up are fused (as `--quant none` loads a model on CUDA); the target stays fused."""
+    sizes = (1, max(plan.sizes))
+    result: dict[str, Any] = {}
+    for name in ("unfused", "fused"):
+        clock.check(f"{name} passes")
+        if name == "fused":
+            result["layers"] = fuse_projections(target)
+        lm = StaticCausalLM(target, capacity=plan.contexts[0] + max(sizes) + 8)
+        curve = measure_costs(lm, None, max(sizes), repeats=3, context_tokens=plan.contexts[0], sizes=sizes)
+        result[name] = {n: round(1e3 * s, 3) for n, s in sorted(curve.verify_seconds.items())}
+        del lm
+        free(device)
+    result["fused_over_unfused"] = {n: round(result["fused"][n] / result["unfused"][n], 3) for n in result["fused"]}
+    return result
+
+
 def projection(plan: Plan, device: torch.device, clock: Clock, draft, formats: tuple[str, ...]) -> dict:
     """The real pair's greedy acceptance (recorded on the CPU: scripts/acceptance_traces.py)
     replayed against this GPU's pass costs of the same shapes: projected tokens/s, no more."""
@@ -623,7 +649,8 @@ def markdown(data: dict) -> str:
         lines.append(f"- {stage}: {error.splitlines()[0] if error else ''}")
     correct = data.get("correctness", {})
     for check in correct.get("float32_greedy", []):
-        lines.append(f"- float32 greedy, {'graphs' if check['graphs'] else 'eager'}, {'tree' if check['tree'] else 'chain'}: "
+        lines.append(f"- float32 greedy, {'graphs' if check['graphs'] else 'eager'}{', fused' if check.get('fused') else ''}, "
+                     f"{'tree' if check['tree'] else 'chain'}: "
                      f"{check['equal']}/{check['prompts']} equal to transformers' generate")
     if "bfloat16_divergences" in correct:
         found = correct["bfloat16_divergences"]["divergences"]
@@ -640,6 +667,11 @@ def markdown(data: dict) -> str:
                 lines.append(f"- profile, {fmt} ({p['backend']}), per {unit.replace('_', ' ')}: {u['kernels']:.0f} kernels, "
                              f"GPU busy {u['gpu_busy_ms']} ms, wall {u['wall_ms']} ms"
                              + (f", host {u['host_ms']} ms" if "host_ms" in u else f", {u['cpu_ops']:.0f} CPU ops"))
+    fused = data.get("fusion", {})
+    if "fused" in fused:
+        lines.append(f"- q/k/v and gate/up fused (bf16, {fused['layers']} layers), pass ms unfused -> fused: "
+                     + ", ".join(f"{n} tokens {fused['unfused'][n]} -> {fused['fused'][n]} ({fused['fused_over_unfused'][n]:.2f}x)"
+                                 for n in fused["fused"]))
     lines.append("")
     for fmt, rows in data.get("pass_costs", {}).items():
         if "error" in rows:
@@ -759,6 +791,7 @@ def main() -> int:
                                         lambda clock: correctness(plan, device, text, clock)) or {}
     report.data["pass_costs"], report.data["speed"], report.data["profile"] = {}, {}, {}
     drafts = {"self": None, "0.5b": build_draft(plan, device, torch.bfloat16)}
+    fuse_projections(drafts["0.5b"])  # a bf16 draft, loaded fused on CUDA
 
     def run_peers() -> None:
         report.data["peers"] = staged(report, "peers", share("peers"), lambda clock: peers(plan, device, clock)) or {}
@@ -783,10 +816,16 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 - a format this machine lacks is reported, not fatal
             report.data["pass_costs"][fmt] = {"error": f"{type(error).__name__}: {error}"}
             report.save()
-            del target
+            target = None
             drafts["self"] = None
             free(device)
             continue
+        if fmt.removesuffix("+compile") == "bf16":  # dense weights: fused on load, as the product does
+            fuse_projections(drafts["self"])
+            if fmt == "bf16":
+                report.data["fusion"] = staged(report, "fusion", share("fusion"),
+                                               lambda clock: fusion(plan, device, clock, target)) or {}
+            fuse_projections(target)  # (a no-op where the stage fused it)
         if index == 0 or compiled(fmt):
             report.data["profile"][fmt] = staged(report, f"profile {fmt}", share("profile"),
                                                  lambda clock: profile(plan, device, clock, target, fmt)) or {}
@@ -797,7 +836,7 @@ def main() -> int:
                       lambda clock: speed(plan, device, clock, text, target, drafts, costs or {}, fmt))
         report.data["speed"][fmt] = runs or {"error": report.data.get("errors", {}).get(f"speed {fmt}", "")}
         report.save()
-        del target
+        target = None  # (not `del`: the stages' lambdas above name it)
         drafts["self"] = None
         free(device)
     if "peers" not in report.data:

@@ -32,6 +32,9 @@ def test_the_smoke_run_measures_every_stage(tmp_path):
     assert "errors" not in data
     assert all(c["equal"] == c["prompts"] == 2 for c in data["correctness"]["float32_greedy"])
     assert {c["tree"] for c in data["correctness"]["float32_greedy"]} == {False, True}
+    assert {c["fused"] for c in data["correctness"]["float32_greedy"]} == {False, True}
+    fusion = data["fusion"]  # q/k/v and gate/up fused on the bf16 target, timed before and after
+    assert fusion["layers"] == 4 and list(fusion["unfused"]) == list(fusion["fused"]) == ["1", "8"]
     assert data["correctness"]["sampled"]["passed"]
     assert data["profile"]["bf16"]["pass"]["cpu_ops"] > 0 and data["profile"]["bf16"]["loop_step"]["wall_ms"] > 0
     costs = data["pass_costs"]["bf16"]

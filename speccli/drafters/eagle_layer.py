@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from speccli.models.fused import unfused_state_dict
+
 
 def one_layer_config(target_config: Any) -> Any:
     """The target's config cut to one decoder layer, with no vocabulary of its own (the head
@@ -71,7 +73,7 @@ class EagleHead(nn.Module):
         the feature through: a head that at first reads its input as the target's top layer would."""
         base = target.base_model
         with torch.no_grad():
-            self.body.layers[0].load_state_dict(base.layers[-1].state_dict())
+            self.body.layers[0].load_state_dict(unfused_state_dict(base.layers[-1]))
             self.body.norm.load_state_dict(base.norm.state_dict())
             hidden = self.hidden_size
             self.fc.weight.zero_()

@@ -54,6 +54,7 @@ from speccli.config import QUANTS, LoadConfig
 from speccli.models import converted, offline
 from speccli.models.cpu import cpu_name, cpuinfo_field
 from speccli.models.errors import ModelLoadError
+from speccli.models.fused import fuse_projections
 from speccli.models.int8 import int8_problem, quantize_int8
 from speccli.models.plan import ALTERNATIVES, MemoryNeed, cached_hub_config, check_fits, memory_need, meta_model
 from speccli.models.torchao_quant import TORCHAO_QUANTS, check_torchao_quant, torchao_config
@@ -114,7 +115,9 @@ class LoadedModel:
     dtype: torch.dtype
     quant: str  # "none", "4bit", "8bit", "int8", "int4", "fp8", "gguf→<dtype>", ...
     load_seconds: float
-    linear: str = "stock"  # "onednn": float32 linear layers through oneDNN; "two-row": bf16 one-row products as two
+    # "onednn": float32 linear layers through oneDNN; "two-row": bf16 one-row products as two;
+    # "fused": q/k/v and gate/up as one product each (CUDA, dense weights: speccli.models.fused).
+    linear: str = "stock"
     # With "onednn": by weight shape ("8960x1536"), the rows below which PyTorch's own kernel
     # is the faster and takes them (only shapes where it is, for some).
     stock_rows: dict[str, int] = field(default_factory=dict)
@@ -155,7 +158,9 @@ class LoadedModel:
                 f"{generic}) on {self.device}, loaded in {self.load_seconds:.1f} s"
             )
         quant = "" if self.quant == "none" else f" ({self.quant})"
-        linear = {"onednn": ", oneDNN linear", "two-row": ", one-row products as two"}.get(self.linear, "")
+        linear = {"onednn": ", oneDNN linear", "two-row": ", one-row products as two", "fused": ", q/k/v and gate/up fused"}.get(
+            self.linear, ""
+        )
         if self.stock_rows:
             fewest, most = min(self.stock_rows.values()), max(self.stock_rows.values())
             linear += f" from {fewest if fewest == most else f'{fewest}-{most}'} rows"
@@ -907,6 +912,8 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
             stock_rows = {f"{rows}x{columns}": below for (rows, columns), below in sorted(chosen.items()) if below > 1}
         elif dtype == torch.bfloat16 and two_rows_pay(model, kernels, cpu_name()) and set_two_row_linear(model):
             linear = "two-row"
+    if fused_on_load(model, device, quant, config.tp, writing=conversion is not None and kept is None):
+        linear = "fused"
     keep()  # after the kernels were timed: the writing thread would have slowed them down
 
     return LoadedModel(
@@ -921,6 +928,15 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
         linear=linear,
         stock_rows=stock_rows,
     )
+
+
+def fused_on_load(model: Any, device: torch.device, quant: str, tp: int, *, writing: bool) -> bool:
+    """Fuse q/k/v and gate/up (speccli.models.fused) where it serves: on CUDA, dense weights,
+    one process. Not while this start's GGUF conversion is being written: its tensors are held
+    until then, and the fused copies would double the weights' memory on the GPU meanwhile."""
+    if device.type != "cuda" or quant != "none" or tp != 1 or writing:
+        return False
+    return fuse_projections(model) > 0
 
 
 def _dequantize_gguf(pending: PendingModel, say: Progress) -> Any:
