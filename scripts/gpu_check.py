@@ -491,7 +491,10 @@ def fusion(plan: Plan, device: torch.device, clock: Clock, target) -> dict:
     for name in ("unfused", "fused"):
         clock.check(f"{name} passes")
         if name == "fused":
+            reserved = torch.cuda.memory_reserved if device.type == "cuda" else (lambda: 0)
+            before = reserved()
             result["layers"] = fuse_projections(target)
+            result["reserved_gb_added"] = round((reserved() - before) / 1e9, 2)  # the load's cost in memory
         lm = StaticCausalLM(target, capacity=plan.contexts[0] + max(sizes) + 8)
         curve = measure_costs(lm, None, max(sizes), repeats=3, context_tokens=plan.contexts[0], sizes=sizes)
         result[name] = {n: round(1e3 * s, 3) for n, s in sorted(curve.verify_seconds.items())}
@@ -669,7 +672,8 @@ def markdown(data: dict) -> str:
                              + (f", host {u['host_ms']} ms" if "host_ms" in u else f", {u['cpu_ops']:.0f} CPU ops"))
     fused = data.get("fusion", {})
     if "fused" in fused:
-        lines.append(f"- q/k/v and gate/up fused (bf16, {fused['layers']} layers), pass ms unfused -> fused: "
+        lines.append(f"- q/k/v and gate/up fused (bf16, {fused['layers']} layers, {fused['reserved_gb_added']} GB more reserved), "
+                     "pass ms unfused -> fused: "
                      + ", ".join(f"{n} tokens {fused['unfused'][n]} -> {fused['fused'][n]} ({fused['fused_over_unfused'][n]:.2f}x)"
                                  for n in fused["fused"]))
     lines.append("")

@@ -150,6 +150,10 @@ def fuse_projections(model: nn.Module) -> int:
                 layer.mlp = fused
                 touched = True
         changed += touched
+        if touched and next(layer.parameters()).is_cuda:
+            # The replaced weights' blocks are of other sizes than the stacked ones: hand them
+            # back to the driver now, or a model near the GPU's size would run out on the way.
+            torch.cuda.empty_cache()
     return changed
 
 
