@@ -51,7 +51,9 @@ def test_the_smoke_run_measures_every_stage(tmp_path):
     assert "## tokens/s, bf16" in table and "| specgen-tree-self |" in table
     heads = data["eagle3"]  # the EAGLE-3 stage: features of three layers kept, a head step timed
     assert heads["features_width"] == 3 * 64 and list(heads["verify_ms"]) == ["1", "8", "16"]
-    assert heads["head_step_ms"] > 0 and heads["head_step_ms_host_picks"] > 0 and "## EAGLE-3 head on a smoke target" in table
+    # A step is the difference of two medians: on a loaded CPU it can come out below zero.
+    assert heads["head_first_token_ms"] > 0 and all(isinstance(heads[k], float) for k in ("head_step_ms", "head_step_ms_host_picks"))
+    assert "## EAGLE-3 head on a smoke target" in table
     assert result.stdout == table + "\n"
 
 
