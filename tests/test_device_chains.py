@@ -16,7 +16,8 @@ from speccli.drafters.chain import DevicePicker
 from speccli.drafters.model import ModelDrafter
 from speccli.events import StepEvent
 from speccli.loop import SpeculativeDecoder
-from speccli.verify import sample_at
+import speccli.verify as verify
+from speccli.verify import sample, sample_at
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, encode, target_greedy
 
 VOCAB = 64
@@ -145,3 +146,31 @@ def test_sample_at_never_draws_a_token_of_probability_zero(uniform):
     token = int(sample_at(probs, torch.tensor([uniform], dtype=torch.float64)))
     assert probs[token] > 0
     assert token == (2 if uniform < 0.25 else 4)
+
+
+@pytest.mark.parametrize("block", [2, 3, 1024])
+def test_sample_at_inverts_rows_across_blocks(block, monkeypatch):
+    """Blocks of 2 and 3 ids: padding, blocks without mass, a target on a block boundary; rows at once."""
+    monkeypatch.setattr(verify, "SAMPLE_BLOCK", block)
+    probs = torch.tensor([[0.0, 0.0, 0.0, 0.1, 0.2, 0.0, 0.0, 0.3, 0.4], [0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5]])
+    draws = 6000
+    uniform = ((torch.arange(draws, dtype=torch.float64) + 0.5) / draws).view(-1, 1, 1).expand(-1, 2, 1)
+    tokens = sample_at(probs.expand(draws, -1, -1), uniform)
+    assert tokens.shape == (draws, 2, 1)
+    for row in range(2):
+        counts = torch.bincount(tokens[:, row, 0], minlength=9).double() / draws
+        torch.testing.assert_close(counts, probs[row].double(), atol=1 / draws, rtol=0)
+    edges = sample_at(probs, torch.tensor([[0.0], [0.9999999999999999]], dtype=torch.float64))
+    assert edges.flatten().tolist() == [3, 8]  # never an id without mass at either end
+
+
+def test_sample_draws_each_row_from_its_distribution():
+    probs = torch.zeros(3, 151936)
+    probs[0, 151935] = 1.0  # the last id, in the padded last block
+    probs[1, [5, 70000]] = torch.tensor([0.25, 0.75])
+    probs[2, 1024] = 2.0  # unnormalised: the row's mass scales the target
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(probs, generator) for _ in range(2000)])
+    assert draws[:, 0].unique().tolist() == [151935] and draws[:, 2].unique().tolist() == [1024]
+    share = float((draws[:, 1] == 70000).double().mean())
+    assert draws[:, 1].unique().tolist() == [5, 70000] and 0.72 < share < 0.78
