@@ -174,3 +174,44 @@ def test_sample_draws_each_row_from_its_distribution():
     assert draws[:, 0].unique().tolist() == [151935] and draws[:, 2].unique().tolist() == [1024]
     share = float((draws[:, 1] == 70000).double().mean())
     assert draws[:, 1].unique().tolist() == [5, 70000] and 0.72 < share < 0.78
+
+
+# --------------------------------------------------------------------------- on CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_k=20, top_p=0.95, seed=7)],
+                         ids=["greedy", "coupled"])
+def test_a_graphed_chain_drafts_what_the_loop_drafts_on_cuda(sampling):
+    model = tiny_llama(VOCAB, seed=11, logit_scale=3.0, max_positions=1024).to("cuda")
+    host = ModelDrafter(wrap_static(model, device_chains=False), VOCAB)
+    graphed = ModelDrafter(wrap_static(model), VOCAB)
+    assert graphed.model.graphs_enabled and graphed.model.chains
+    noise = PositionNoise(sampling.seed, VOCAB) if sampling.seed is not None else None
+    context = [1, 5, 9, 13]
+    for _ in range(4):  # captured, then replayed
+        expected = host.propose(context, 4, sampling, None, noise)
+        got = graphed.propose(context, 4, sampling, None, noise)
+        assert got.tokens == expected.tokens
+        if expected.probs is not None:
+            torch.testing.assert_close(got.probs, expected.probs, rtol=1e-5, atol=1e-6)
+        assert list(graphed.model.cached_tokens) == list(host.model.cached_tokens)
+        context = context + got.tokens[:2]
+    assert graphed.model.graphs_error is None and graphed.model.graphed_chain_lengths == [4]
+
+
+@pytest.mark.cuda
+def test_fused_graphed_decoding_equals_the_unfused_targets_greedy_on_cuda(pairs, tokenizer):
+    import copy
+
+    from speccli.models.fused import fuse_projections
+
+    pair = pairs[0]
+    target, draft = copy.deepcopy(pair.target).to("cuda"), copy.deepcopy(pair.draft).to("cuda")
+    assert fuse_projections(target) and fuse_projections(draft)
+    decoder = SpeculativeDecoder(wrap_static(target), tokenizer, [EOS], ModelDrafter(wrap_static(draft), len(tokenizer)))
+    for prompt in PROMPTS[:4]:
+        ids = encode(tokenizer, prompt)
+        for tree in (False, True):
+            events = decoder.generate(ids, SamplingConfig(), SpecConfig(k=4, max_new_tokens=MAX_NEW, tree=tree))
+            assert emitted(events) == target_greedy(pair.target, ids), (prompt, tree)

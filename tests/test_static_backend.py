@@ -268,6 +268,7 @@ def test_graphed_decoding_equals_target_greedy_on_cuda(cuda_pair, tokenizer):
             assert emitted(events) == target_greedy(cuda_pair.target, ids), (prompt, k)
     assert target.graphs_error is None and draft.graphs_error is None
     assert target.graphed_sizes and 1 in draft.graphed_sizes
+    assert draft.chains and 4 in draft.graphed_chain_lengths  # the draft's k tokens, one graph
     assert target.capacity > 32
 
 

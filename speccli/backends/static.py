@@ -163,6 +163,11 @@ class StaticCausalLM(TransformersLM):
         return sorted({n for n, tree, _ in self._graphs if tree})
 
     @property
+    def graphed_chain_lengths(self) -> list[int]:
+        """The lengths of draft chains (`chain`) captured as CUDA graphs so far."""
+        return sorted({steps for steps, _, _ in self._chain_graphs})
+
+    @property
     def graphed_windows(self) -> list[int]:
         """The attention windows (cache slots attended over) graphs were captured for."""
         return sorted({window for _, _, window in self._graphs})
