@@ -241,10 +241,11 @@ class EagleDrafter(HeadPasses, Drafter):
             ids = tokens
         else:
             ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        count = ids.shape[1]
         embeds = self.embeddings(ids).to(self.dtype)
-        positions = torch.arange(first, first + len(tokens), device=self.device)[None]
+        positions = torch.arange(first, first + count, device=self.device)[None]
         out = self._pass(self.head, features[None], embeds, positions, cache=self._cache)
-        self._entries += len(tokens)
+        self._entries += count
         return out[0]
 
     def propose(
