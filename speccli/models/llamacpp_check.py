@@ -84,12 +84,7 @@ def _read_cached(path: Path, key: str) -> KernelCheck | None:
 def _write_cached(path: Path, key: str, verdict: KernelCheck) -> None:
     from speccli.models import offline
 
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    if not isinstance(data, dict):
-        data = {}
+    data = offline.read_json_object(path)
     data[key] = {"extra_buffers": verdict.extra_buffers, "reason": verdict.reason}
     offline.write_json(path, data)  # a read-only cache costs a check next time
 

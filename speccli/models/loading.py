@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -582,7 +581,7 @@ def _tokenizer_cache_folder(resolved: ResolvedModel, cache_dir: Path) -> tuple[P
     # skipped), on every start: what it found is kept by the file's identity.
     identity = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "transformers": transformers.__version__}
     index = folders / "files.json"
-    found = _read_json(index).get(str(path.resolve()))
+    found = offline.read_json_object(index).get(str(path.resolve()))
     if isinstance(found, dict) and all(found.get(k) == v for k, v in identity.items()) and found.get("folder"):
         return folders / found["folder"], found.get("template")
     try:
@@ -594,16 +593,9 @@ def _tokenizer_cache_folder(resolved: ResolvedModel, cache_dir: Path) -> tuple[P
     template = header.metadata.get("tokenizer.chat_template")
     template = template if isinstance(template, str) else None
     folder = f"{header.architecture}-{digest}"
-    offline.write_json(index, {**_read_json(index), str(path.resolve()): {**identity, "folder": folder, "template": template}})
+    entry = {**identity, "folder": folder, "template": template}
+    offline.write_json(index, {**offline.read_json_object(index), str(path.resolve()): entry})
     return folders / folder, template
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _load_gguf_tokenizer(resolved: ResolvedModel, cache_dir: Path, say: Progress) -> Any:

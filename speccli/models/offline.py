@@ -293,6 +293,16 @@ def identity_digest(identity: object) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def read_json_object(path: Path) -> dict:
+    """The JSON object in the file at `path`; {} when the file is missing, damaged or not an
+    object (a cache file that `write_json` rewrites whole)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def write_json(path: Path, payload: object) -> None:
     """Write `payload` as JSON to `path` whole or not at all (a temporary file beside it, then a
     rename). Best effort: a read-only or full cache only costs its work again next time."""
