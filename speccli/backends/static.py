@@ -51,13 +51,15 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 from speccli.backends.attention import WINDOW_SDPA, pack_mask, query_groups, use_windowed_attention, window_for
 from speccli.backends.base import Chain, ChainPicker, check_tree_pass
 from speccli.backends.hf import TransformersLM
+
+T = TypeVar("T")
 
 DEFAULT_CAPACITY = 4096
 # Verification feeds k + 1 tokens (calibration times up to 17); a tree or lookahead pass the
@@ -483,20 +485,7 @@ class StaticCausalLM(TransformersLM):
         key = (n, mask is not None, width)
         captured = self._graphs.get(key)
         if captured is None:
-            began = time.perf_counter()
-            try:
-                self._capturing = True
-                with torch.cuda.device(self._device):  # capture on the model's device, not the current one
-                    captured = self._capture(n, start, width, tree=mask is not None)
-            except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly from now on
-                self.graphs_error = f"{type(error).__name__}: {error}"
-                self.graphs_enabled = False
-                self._drop_graphs()
-                self._set_length(start)
-                self._hidden_parts = []
-            finally:
-                self._capturing = False
-                self.setup_seconds += time.perf_counter() - began
+            captured = self._captured_once(lambda: self._capture(n, start, width, tree=mask is not None), start)
             if captured is None:  # the pass itself, eagerly: a cost of the step, not setup
                 if mask is not None:
                     return self._eager_tree(token_ids, positions, mask)
@@ -515,19 +504,7 @@ class StaticCausalLM(TransformersLM):
         key = (steps, width, picker.key)
         captured = self._chain_graphs.get(key)
         if captured is None:
-            began = time.perf_counter()
-            try:
-                self._capturing = True
-                with torch.cuda.device(self._device):
-                    captured = self._capture_chain(key, steps, width, picker, start)
-            except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly from now on
-                self.graphs_error = f"{type(error).__name__}: {error}"
-                self.graphs_enabled = False
-                self._drop_graphs()
-                self._set_length(start)
-            finally:
-                self._capturing = False
-                self.setup_seconds += time.perf_counter() - began
+            captured = self._captured_once(lambda: self._capture_chain(key, steps, width, picker, start), start)
             if captured is None:
                 return self._chain_passes(steps, width, picker)
         graph, outputs = captured
@@ -539,55 +516,69 @@ class StaticCausalLM(TransformersLM):
     def _capture(
         self, n: int, start: int, width: int, tree: bool = False
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
-        """Capture one pass of n tokens. The warm-up passes and the capture write at the
-        current position (past the cached tokens: harmless) and advance the write position;
-        it is put back to `start` before the graph is first replayed."""
-        self._initialize(self._cache)
+        """Capture one pass of n tokens (see `_recorded`), reading the static input buffers."""
         ids = self._ids_buffer[:, :n]
         positions = self._positions_buffer[:, :n]
         mask = self._mask_buffer[:, :, :n, :width] if tree else None
-        stream = torch.cuda.Stream(device=self._device)
-        stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: lazy initialisations, cuBLAS handles, autotuning
-                self._set_length(start)
-                self._run(self._cache, ids, positions, all_logits=True, width=width, mask=mask)
-        torch.cuda.current_stream(self._device).wait_stream(stream)
-        self._set_length(start)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        self._hidden_parts = []
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = self._run(self._cache, ids, positions, all_logits=True, width=width, mask=mask)
+
+        def one_pass() -> torch.Tensor:
+            self._hidden_parts = []
+            return self._run(self._cache, ids, positions, all_logits=True, width=width, mask=mask)
+
+        graph, output = self._recorded(one_pass, start)
         # The hook saw the graph's own hidden-states tensor: replays refill it in place.
         hidden = self._hidden_parts[-1] if self._hidden_parts else None
-        # Capturing records the pass without running it; replay runs it from `start`.
-        self._set_length(start)
         self._graphs[(n, tree, width)] = (graph, output, hidden)
-        torch.cuda.synchronize(self._device)  # the warm-up passes count as setup, not as the next pass
         return graph, output, hidden
 
     def _capture_chain(
         self, key: tuple, steps: int, width: int, picker: ChainPicker, start: int
     ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
-        """Capture a whole chain, as `_capture` does one pass (warm-ups on a side stream,
-        the write position put back to `start` after each)."""
+        """Capture a whole chain, as `_capture` does one pass."""
+        graph, outputs = self._recorded(lambda: self._chain_passes(steps, width, picker), start)
+        self._chain_graphs[key] = (graph, outputs)
+        return graph, outputs
+
+    def _captured_once(self, capture: Callable[[], T], start: int) -> T | None:
+        """`capture()` on the model's device (not the current one), its time counted as setup;
+        None when it fails, and every pass runs eagerly from then on (`graphs_error` says why)."""
+        began = time.perf_counter()
+        try:
+            self._capturing = True
+            with torch.cuda.device(self._device):
+                return capture()
+        except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly from now on
+            self.graphs_error = f"{type(error).__name__}: {error}"
+            self.graphs_enabled = False
+            self._drop_graphs()
+            self._set_length(start)
+            self._hidden_parts = []
+            return None
+        finally:
+            self._capturing = False
+            self.setup_seconds += time.perf_counter() - began
+
+    def _recorded(self, work: Callable[[], T], start: int) -> tuple[torch.cuda.CUDAGraph, T]:
+        """`work` (passes writing at the cache's write position) as a CUDA graph in the shared
+        pool, and the outputs it replays into. Two warm-ups on a side stream first (lazy
+        initialisations, cuBLAS handles, autotuning), as PyTorch documents. They and the
+        capture write past the cached tokens (harmless) and advance the write position, which
+        is put back to `start` after each: capturing records the passes without running them,
+        and a replay runs them from `start`."""
         self._initialize(self._cache)
         stream = torch.cuda.Stream(device=self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self._set_length(start)
-                self._chain_passes(steps, width, picker)
+                work()
         torch.cuda.current_stream(self._device).wait_stream(stream)
         self._set_length(start)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._chain_passes(steps, width, picker)
+            outputs = work()
         self._set_length(start)
-        self._chain_graphs[key] = (graph, outputs)
-        torch.cuda.synchronize(self._device)
+        torch.cuda.synchronize(self._device)  # the warm-up passes count as setup, not as the next pass
         return graph, outputs
