@@ -5,7 +5,7 @@ implement it; the checks they all make of their arguments are here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Protocol, Sequence
+from typing import Callable, Hashable, Protocol, Sequence
 
 import torch
 
@@ -33,6 +33,30 @@ class Chain:
     tokens: list[int]
     confidence: list[float]
     probs: torch.Tensor | None
+
+    @classmethod
+    def read(cls, tokens: torch.Tensor, confidence: torch.Tensor, probs: torch.Tensor | None) -> "Chain":
+        """The chain from its device tensors, in one copy to the host (ids are exact in float64)."""
+        picked = torch.stack([tokens.double(), confidence.double()]).cpu()
+        return cls([int(i) for i in picked[0].tolist()], picked[1].tolist(), probs)
+
+
+def pick_chain(
+    logits: torch.Tensor, steps: int, picker: ChainPicker, feed: Callable[[torch.Tensor, int], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A chain's picks on the device: the first token from `logits`, each next one from
+    `feed(token, index)`, the logits after the index-th token was fed. Returns (tokens [steps],
+    the draft's probability of each [steps], q [steps, V] or None), nothing read back."""
+    tokens, confidence, probs = [], [], []
+    for index in range(steps):
+        token, chance, q = picker.pick(logits, index)
+        tokens.append(token)
+        confidence.append(chance.float())
+        if q is not None:
+            probs.append(q)
+        if index + 1 < steps:
+            logits = feed(token, index)
+    return torch.cat(tokens), torch.cat(confidence), torch.stack(probs) if probs else None
 
 
 class CausalLM(Protocol):

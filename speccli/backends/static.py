@@ -56,7 +56,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from speccli.backends.attention import WINDOW_SDPA, pack_mask, query_groups, use_windowed_attention, window_for
-from speccli.backends.base import Chain, ChainPicker, check_tree_pass
+from speccli.backends.base import Chain, ChainPicker, check_tree_pass, pick_chain
 from speccli.backends.hf import TransformersLM
 
 T = TypeVar("T")
@@ -210,18 +210,15 @@ class StaticCausalLM(TransformersLM):
                 self._chain_logits.copy_(logits)
                 self._chain_start.fill_(start)
                 if self.graphs_enabled:
-                    tokens, confidence, probs = self._replay_chain(steps, width, picker, start)
+                    chain = Chain.read(*self._replay_chain(steps, width, picker, start))
                 else:
-                    tokens, confidence, probs = self._chain_passes(steps, width, picker)
-                # The chain's one copy to the host (ids are exact in float64).
-                picked = torch.stack([tokens.double(), confidence.double()]).cpu()
+                    chain = Chain.read(*self._chain_passes(steps, width, picker))
         except BaseException:
             self._set_length(start)
             raise
-        ids = [int(i) for i in picked[0].tolist()]
-        self._tokens.extend(ids[:-1])
+        self._tokens.extend(chain.tokens[:-1])
         self.forward_seconds += time.perf_counter() - started
-        return Chain(ids, picked[1].tolist(), probs)
+        return chain
 
     def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
         if not token_ids:
@@ -416,20 +413,13 @@ class StaticCausalLM(TransformersLM):
     def _chain_passes(
         self, steps: int, width: int, picker: ChainPicker
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A chain's picks and its steps - 1 one-token passes, on the device only: (tokens
-        [steps], their probabilities [steps], q [steps, V] or None)."""
-        logits = self._chain_logits
-        tokens, confidence, probs = [], [], []
-        for index in range(steps):
-            token, chance, q = picker.pick(logits, index)
-            tokens.append(token)
-            confidence.append(chance.float())
-            if q is not None:
-                probs.append(q)
-            if index + 1 < steps:
-                positions = self._chain_start + index
-                logits = self._run(self._cache, token.view(1, 1), positions, all_logits=False, width=width)[0, -1].float()
-        return torch.cat(tokens), torch.cat(confidence), torch.stack(probs) if probs else None
+        """A chain's picks and its steps - 1 one-token passes, on the device only (`pick_chain`)."""
+
+        def feed(token: torch.Tensor, index: int) -> torch.Tensor:
+            positions = self._chain_start + index
+            return self._run(self._cache, token.view(1, 1), positions, all_logits=False, width=width)[0, -1].float()
+
+        return pick_chain(self._chain_logits, steps, picker, feed)
 
     def _eager_chunks(self, token_ids: list[int], start: int, all_logits: bool) -> torch.Tensor:
         rows: list[torch.Tensor] = []

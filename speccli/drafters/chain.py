@@ -7,13 +7,14 @@ every token's pick stays on the device and the chain costs one copy to the host.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Hashable, Sequence
+from typing import Hashable
 
 import torch
 
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise, gumbel_argmax
-from speccli.drafters.base import align_vocab
+from speccli.backends.base import Chain
+from speccli.drafters.base import Draft, align_vocab
 from speccli.verify import sample_at, warp
 
 
@@ -94,7 +95,8 @@ class Pickers:
         return picker
 
 
-def kept_until_unsure(confidence: Sequence[float], stop_confidence: float) -> int:
-    """How many of a chain's tokens the pass-by-pass loop would have drafted: up to and
-    including the first the draft gave less than `stop_confidence`."""
-    return next((i + 1 for i, c in enumerate(confidence) if c < stop_confidence), len(confidence))
+def until_unsure(chain: Chain, stop_confidence: float) -> Draft:
+    """The chain as the pass-by-pass loop would have drafted it: up to and including the
+    first token the draft gave less than `stop_confidence`."""
+    kept = next((i + 1 for i, c in enumerate(chain.confidence) if c < stop_confidence), len(chain.tokens))
+    return Draft(chain.tokens[:kept], None if chain.probs is None else chain.probs[:kept])

@@ -17,11 +17,11 @@ from typing import Sequence
 
 import torch
 
-from speccli.backends.base import common_prefix_length
+from speccli.backends.base import Chain, common_prefix_length, pick_chain
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
 from speccli.drafters.base import Draft, Drafter, draw
-from speccli.drafters.chain import Pickers, kept_until_unsure
+from speccli.drafters.chain import Pickers, until_unsure
 from speccli.drafters.trees import TreeSource, feed_window, grow_tree
 from speccli.drafters.eagle3_layer import Eagle3Head
 from speccli.drafters.eagle_layer import EagleHead, additive_mask
@@ -292,20 +292,14 @@ class EagleDrafter(HeadPasses, Drafter):
         """The k steps with each token picked on the device (speccli.drafters.chain) and fed
         back from there: the host reads the draft once, and cuts it after the first unsure
         token. (Not one graph: the head's cache grows by concatenation.)"""
+
+        def feed(token: torch.Tensor, index: int) -> torch.Tensor:
+            nonlocal feature
+            feature = self._step(feature[None], token.view(1, 1), n - 1 + index)[-1]
+            return self._logits(feature)
+
         picker = self._pickers.loaded(sampling, k, generator, noise)
-        tokens, confidence, probs = [], [], []
-        for i in range(k):
-            token, chance, q = picker.pick(self._logits(feature), i)
-            tokens.append(token)
-            confidence.append(chance.float())
-            if q is not None:
-                probs.append(q)
-            if i + 1 < k:
-                feature = self._step(feature[None], token.view(1, 1), n - 1 + i)[-1]
-        picked = torch.stack([torch.cat(tokens).double(), torch.cat(confidence).double()]).cpu()
-        kept = kept_until_unsure(picked[1].tolist(), self.stop_confidence)
-        ids = [int(t) for t in picked[0, :kept].tolist()]
-        return Draft(ids, torch.stack(probs[:kept]) if probs else None)
+        return until_unsure(Chain.read(*pick_chain(self._logits(feature), k, picker, feed)), self.stop_confidence)
 
     def _root(self, context: Sequence[int]) -> torch.Tensor | None:
         """Feed the real features not fed yet (dropping last step's drafted entries) and

@@ -12,7 +12,7 @@ from speccli.backends.base import CausalLM, common_prefix_length
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
 from speccli.drafters.base import Draft, Drafter, align_vocab, draw
-from speccli.drafters.chain import Pickers, kept_until_unsure
+from speccli.drafters.chain import Pickers, until_unsure
 from speccli.drafters.trees import GrownTree, TreeSource, feed_window, grow_tree
 from speccli.tree import TokenTree, TreeShape
 
@@ -131,10 +131,10 @@ class ModelDrafter(Drafter):
         """The k tokens drafted on the device in one call (`CausalLM.chain`), then cut after
         the first the draft was unsure of, as the pass-by-pass loop stops there."""
         chain = self.model.chain(logits, k, self._pickers.loaded(sampling, k, generator, noise))
-        kept = kept_until_unsure(chain.confidence, self.stop_confidence)
-        if kept < k:  # the cache holds every token but the last: keep those before the cut
-            self.model.rollback(len(self.model.cached_tokens) - (k - kept))
-        return Draft(chain.tokens[:kept], None if chain.probs is None else chain.probs[:kept])
+        draft = until_unsure(chain, self.stop_confidence)
+        if len(draft) < k:  # the cache holds every token but the last: keep those before the cut
+            self.model.rollback(len(self.model.cached_tokens) - (k - len(draft)))
+        return draft
 
     def propose_tree(
         self,
