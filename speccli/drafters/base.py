@@ -147,11 +147,17 @@ def draw(
     from or None when greedy, the draft's own probability of it). With `noise`, the
     coupled draw argmax(log q + noise) (speccli.coupling)."""
     if sampling.greedy:
-        token = int(torch.argmax(row))
-        return token, None, float(torch.exp(row[token] - torch.logsumexp(row, dim=-1)))
+        token, confidence = greedy_pick(row)
+        return int(token), None, float(confidence)
     q = warp(row, sampling)
     token = int(sample(q, generator) if noise is None else gumbel_argmax(q, noise))
     return token, q, float(q[token])
+
+
+def greedy_pick(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The argmax of logits `row` [V] and the draft's own probability of it, both [1]."""
+    token = torch.argmax(row, dim=-1, keepdim=True)
+    return token, torch.exp(row.gather(-1, token) - torch.logsumexp(row, dim=-1, keepdim=True))
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int, usable: int | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise, gumbel_argmax
 from speccli.backends.base import Chain
-from speccli.drafters.base import Draft, align_vocab
+from speccli.drafters.base import Draft, align_vocab, greedy_pick
 from speccli.verify import sample_at, warp
 
 
@@ -62,9 +62,7 @@ class DevicePicker:
     def pick(self, logits: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         row = align_vocab(logits, self.target_vocab, self.shared_vocab)
         if self.sampling.greedy:
-            token = torch.argmax(row, dim=-1, keepdim=True)
-            confidence = torch.exp(row.gather(-1, token) - torch.logsumexp(row, dim=-1, keepdim=True))
-            return token, confidence, None
+            return (*greedy_pick(row), None)
         q = warp(row, self.sampling)
         if self.coupled:
             token = gumbel_argmax(q, self.noise[index]).view(1)
