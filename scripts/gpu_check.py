@@ -468,18 +468,18 @@ def pass_costs(plan: Plan, device: torch.device, clock: Clock, target, drafts: d
 
 
 def chain_costs(draft, device: torch.device, context_tokens: int, k: int = 4, repeats: int = 10) -> dict:
-    """ms per drafted token of a greedy draft of k: the chain on the device (one graph per k
-    on CUDA) and the same drafter pass by pass, each draft after re-reading the context's last token."""
+    """ms per drafted token of a greedy draft of k (the median draft): the chain on the device
+    (one graph per k on CUDA) and the same drafter pass by pass, each draft after re-reading
+    the context's last token."""
+    from gpu_heads import timed
+
     context = [2 + i % 50 for i in range(context_tokens)]
     result = {}
     for name, chains in (("device", None), ("host", False)):
         drafter = ModelDrafter(StaticCausalLM(draft, device_chains=chains), draft.config.vocab_size)
         drafter.propose(context, k, SamplingConfig(), None)  # captures
-        sync(device)
-        began = time.perf_counter()
-        for _ in range(repeats):
-            drafter.propose(context, k, SamplingConfig(), None)
-        result[name] = round(1e3 * (time.perf_counter() - began) / (repeats * k), 3)
+        seconds = timed(device, lambda: drafter.propose(context, k, SamplingConfig(), None), repeats)
+        result[name] = round(1e3 * seconds / k, 3)
         result[f"{name}_chains"] = drafter.model.chains
     return result
 

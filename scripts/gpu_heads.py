@@ -42,7 +42,7 @@ def head_config(shape: dict, draft_vocab: int):
                        max_position_embeddings=8192)
 
 
-def _timed(device: torch.device, work, repeats: int) -> float:
+def timed(device: torch.device, work, repeats: int) -> float:
     """Median seconds of `work()` over `repeats` runs, synchronized."""
     seconds = []
     for _ in range(repeats):
@@ -84,8 +84,8 @@ def eagle3_costs(target, shape: dict, device: torch.device, context: int, draft_
     # the host reading each token.
     for name, chains in (("device", drafter.device_chains), ("host", False)):
         drafter.device_chains = chains
-        one = _timed(device, lambda: drafter.propose(ids, 1, greedy, None), repeats)
-        five = _timed(device, lambda: drafter.propose(ids, 5, greedy, None), repeats)
+        one = timed(device, lambda: drafter.propose(ids, 1, greedy, None), repeats)
+        five = timed(device, lambda: drafter.propose(ids, 5, greedy, None), repeats)
         steps_ms[name] = (1e3 * one, 1e3 * (five - one) / 4)  # a step: the layer over one token, its logits, the pick
     first_ms, step_ms = steps_ms["device"]
     lm.rollback(0)
