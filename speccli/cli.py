@@ -23,6 +23,7 @@ from speccli.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    RuntimeFailure,
     UsageError,
     debugging,
     report,
@@ -140,6 +141,11 @@ def _run_guarded(body: Callable[[], int]) -> None:
             raise
         report(str(error), error.hint)
         raise typer.Exit(EXIT_USAGE)
+    except RuntimeFailure as error:
+        if debugging():
+            raise
+        report(str(error), error.hint)
+        raise typer.Exit(EXIT_FAILURE)
     except (RuntimeError, OSError, ValueError) as error:
         if debugging():
             raise
@@ -207,9 +213,9 @@ def with_load_options(command: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(command)
     def with_load(**kwargs) -> None:
         load = {name: kwargs.pop(name) for name, _, _ in LOAD_OPTIONS}
-        from speccli.backends import distributed
+        from speccli.backends import ranks
 
-        if load["tp"] > 1 or distributed.current().size > 1:
+        if load["tp"] > 1 or ranks.current().size > 1:
             return _tensor_parallel(command, kwargs, load)
         return command(**kwargs, load=load)
 
@@ -302,12 +308,21 @@ def generate(
     stats: bool = typer.Option(False, "--stats", help="Print statistics to stderr when done."),
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
+    server: Optional[str] = typer.Option(None, "--server", envvar="SPECGEN_SERVER", show_envvar=True, help="Send the request to a running `specgen serve` at this address (http://HOST:PORT) instead of loading the models here: the same output, without the load. The server's models answer (--target, if given, must be the name it serves)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECGEN_API_KEY", show_envvar=True, help="The key the server asks for (with --server)."),
 ) -> None:
     """Generate a continuation of PROMPT and write only the text to stdout.
 
     Exit codes: 0 done, 1 runtime failure, 2 bad usage or input, 130 interrupted, 141 stdout's reader closed it
     (`| head`).
     """
+    if server is not None:
+        _run_guarded(lambda: _generate_remote(
+            server, api_key, target, draft, load, recalibrate, quiet, prompt=prompt, k=k, tree=tree,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+            chat=chat, system=system, as_json=as_json, stats=stats,
+        ))
+        return
     options = ModelOptions(target or _default_target(), draft or _default_draft(), **load)
 
     def body() -> int:
@@ -316,15 +331,7 @@ def generate(
         from speccli.pipeline import load_pipeline
         from speccli.prompts import NoChatTemplateError, Prompt
 
-        try:
-            draft_length = parse_draft_length(k)
-        except ValueError as error:
-            raise UsageError(f"--{error}", "use --draft none for plain target decoding") from None
-        try:
-            sampling = SamplingConfig(temperature, top_k, top_p, seed)
-            spec = SpecConfig(k=draft_length, max_new_tokens=max_new_tokens, stop_strings=tuple(stop), tree=tree)
-        except ValueError as error:
-            raise UsageError(str(error)) from None
+        sampling, spec = _generation_settings(k, max_new_tokens, temperature, top_k, top_p, seed, stop, tree)
         text = read_prompt(prompt)
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
@@ -344,6 +351,52 @@ def generate(
         return 0 if finished else EXIT_INTERRUPTED
 
     _run_guarded(body)
+
+
+def _generation_settings(k: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: Optional[int],
+                         stop: list[str], tree: bool) -> tuple[SamplingConfig, SpecConfig]:
+    try:
+        draft_length = parse_draft_length(k)
+    except ValueError as error:
+        raise UsageError(f"--{error}", "use --draft none for plain target decoding") from None
+    try:
+        return (SamplingConfig(temperature, top_k, top_p, seed),
+                SpecConfig(k=draft_length, max_new_tokens=max_new_tokens, stop_strings=tuple(stop), tree=tree))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _generate_remote(server: str, api_key: Optional[str], target: Optional[str], draft: Optional[str], load: dict,
+                     recalibrate: bool, quiet: bool, *, prompt: Optional[str], k: str, tree: bool, max_new_tokens: int,
+                     temperature: float, top_k: int, top_p: float, seed: Optional[int], stop: list[str], chat: bool,
+                     system: Optional[str], as_json: bool, stats: bool) -> int:
+    """`generate --server`: the request to a running `specgen serve`, printed as a local one is."""
+    from speccli.serve.client import RemoteRequest, ServerClient
+    from speccli.ui.plain import print_remote_generation
+
+    loaded_here = [f"--{name.replace('_', '-')}" for name, _, default in LOAD_OPTIONS if load[name] != default]
+    if draft is not None:
+        loaded_here.insert(0, "--draft")
+    if recalibrate:
+        loaded_here.append("--recalibrate")
+    if loaded_here:
+        raise UsageError(f"{', '.join(loaded_here)} cannot apply with --server: the server loaded its models",
+                         "set them on `specgen serve`, or drop --server to load the models here")
+    sampling, spec = _generation_settings(k, max_new_tokens, temperature, top_k, top_p, seed, stop, tree)
+    text = read_prompt(prompt)
+
+    def progress(message: str) -> None:
+        if not quiet:
+            print(f"specgen: {message}", file=sys.stderr, flush=True)
+
+    client = ServerClient(server, api_key, progress)
+    try:
+        model = target if target is not None else client.served_model()
+        remote = client.generate(RemoteRequest(text, chat, system, sampling, spec, with_tokens=as_json), model)
+        finished = print_remote_generation(remote, as_json, stats)
+    finally:
+        client.close()
+    return 0 if finished else EXIT_INTERRUPTED
 
 
 @app.command(help=_chat_help())
@@ -469,6 +522,79 @@ def bench(
             print("interrupted: the report holds the rows finished so far", file=sys.stderr)
             return EXIT_INTERRUPTED
         return EXIT_FAILURE if results.errors else 0
+
+    _run_guarded(body)
+
+
+@app.command()
+@with_load_options
+def serve(
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. Loopback by default: only this machine can connect. Another address (0.0.0.0: every interface) lets the network in; give it --api-key."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, said on stderr)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECGEN_API_KEY", show_envvar=True, help="Ask every /v1 request for `Authorization: Bearer KEY` (401 otherwise). /health stays open."),
+    max_queue: int = typer.Option(32, "--max-queue", min=0, help="Requests that may wait while one generates (one generation at a time: batch size 1); past that, 503 with Retry-After."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="The name clients send as `model` (default: --target as given)."),
+    k: str = typer.Option("auto", "--k", "-k", help="Tokens drafted per step (>= 1) or auto, for requests that do not set `specgen.k`."),
+    tree: TreeOpt = False,
+    load: Optional[dict] = None,
+    recalibrate: RecalibrateOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Serve the target and its draft behind an OpenAI-compatible HTTP API, loaded once.
+
+    POST /v1/chat/completions (messages through the target's chat template) and
+    /v1/completions (a raw prompt), streamed as server-sent events with "stream": true;
+    GET /v1/models and /health. Greedy with "temperature": 0 (OpenAI's default is 1),
+    exactly the target's own text; "seed" gives what `specgen generate --seed` gives. Each
+    answer carries a `specgen` object: drafted, accepted, acceptance rate, tokens per step,
+    estimated speed-up. One generation runs at a time; others wait in arrival order.
+    `specgen generate --server URL` sends its request here. SIGINT or SIGTERM stops it
+    (exit 0). See docs/serve.md.
+    """
+    options = ModelOptions(target or _default_target(), draft or _default_draft(), **load)
+
+    def body() -> int:
+        import time
+
+        progress = stderr_progress(quiet)
+        from speccli.pipeline import load_pipeline
+        from speccli.serve.app import create_app
+        from speccli.serve.responses import Served
+        from speccli.serve.server import bind, is_loopback, run, url_of
+        from speccli.serve.service import GenerationService
+
+        try:
+            defaults = SpecConfig(k=parse_draft_length(k), tree=tree)
+        except ValueError as error:
+            raise UsageError(f"--{error}") from None
+        if api_key is not None and not api_key.strip():
+            raise UsageError("--api-key is empty", "give a key, or leave --api-key and SPECGEN_API_KEY unset")
+        name = model_name if model_name is not None else options.target
+        if not name.strip():
+            raise UsageError("--model-name is empty", "give the name clients send as `model`")
+        sock = bind(host, port)  # a port in use is said before minutes of loading
+        if not is_loopback(host) and not api_key:
+            print(f"specgen: warning: listening on {host} without --api-key: anyone who can reach this machine can"
+                  " use the models", file=sys.stderr, flush=True)
+        target_config, draft_config = options.configs()
+        pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
+        speculator = pipeline.speculator(progress, recalibrate)
+        if pipeline.decoder.drafter is not None:
+            speculator.calibrate(defaults.max_k)  # before the first request, not inside it
+        served = Served(name, pipeline, speculator, int(time.time()))
+        service = GenerationService(speculator, max_queue)
+        app = create_app(served, service, defaults, api_key, log=progress)
+        print(f"specgen: serving {name} at {url_of(sock)}/v1 (target {pipeline.target.name}, draft"
+              f" {pipeline.draft_label}; one generation at a time, up to {max_queue} waiting). Ctrl-C stops.",
+              file=sys.stderr, flush=True)
+        try:
+            run(app, sock, on_stop=lambda: service.stop(timeout=0))
+        finally:
+            service.stop()
+        print("specgen: stopped", file=sys.stderr, flush=True)
+        return 0
 
     _run_guarded(body)
 

@@ -22,6 +22,15 @@ class UsageError(Exception):
         self.hint = hint
 
 
+class RuntimeFailure(Exception):
+    """A failure that is no fault of the input (a server that cannot be reached, or that
+    failed): reported as one line with a hint, exit code 1."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
 def debugging() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 

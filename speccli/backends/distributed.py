@@ -25,41 +25,18 @@ import socket
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
+from speccli.backends.ranks import Rank, current, launched  # noqa: F401 - this module's API
 
 # Rank 0's exit code where another rank went away during an operation they shared: it says
 # nothing, and the launcher's one line names the rank that died (exit code 1).
 EXIT_RANK_LOST = 86
 # Quantizations transformers' tensor-parallel plan shards (bitsandbytes' and torchao's are not).
 TP_QUANTS = ("none",)
-
-
-@dataclass(frozen=True)
-class Rank:
-    """This process's place: rank `index` of `size`, `local` on its node."""
-
-    index: int
-    size: int
-    local: int
-
-    @property
-    def leads(self) -> bool:
-        return self.index == 0
-
-
-def current() -> Rank:
-    """This process's rank from the launcher's environment (rank 0 of 1 outside one)."""
-    env = os.environ
-    return Rank(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
-
-
-def launched() -> bool:
-    """Whether this process was started by torchrun or specgen's own launch."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
 def _free_port() -> int:

@@ -18,6 +18,7 @@ from speccli.errors import UsageError
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.api import Generation
     from speccli.pipeline import Pipeline
+    from speccli.serve.client import RemoteGeneration
 
 
 class PlainTextRenderer:
@@ -32,35 +33,66 @@ class PlainTextRenderer:
             self.stream.flush()
 
 
+def token_record(token: TokenEvent) -> dict:
+    """One emitted token as `--json` and the server's `specgen.tokens` show it."""
+    return {
+        "id": token.token_id,
+        "text": token.text,
+        "provenance": token.provenance.value,
+        "step": token.step,
+        "draft_position": token.draft_position,
+    }
+
+
+def generation_settings(pipeline: Pipeline, sampling: SamplingConfig, spec: SpecConfig) -> dict:
+    """What a generation ran with: its settings and where the models ran."""
+    info = pipeline.model_info()
+    return {
+        "k": spec.k, "max_new_tokens": spec.max_new_tokens, "temperature": sampling.temperature,
+        "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
+        "dtype": info["dtype"], "device": info["device"], "quant": info["quant"],
+        "draft_quant": pipeline.draft.quant if pipeline.draft else None,
+        "linear": info["linear"],
+        "backend": info["backend"],
+    }
+
+
+def generation_record(
+    text: str, tokens: list[dict], finish_reason: str, target: str | None, draft: str | None, settings: dict | None,
+    stats: dict | None,
+) -> dict:
+    """`generate --json`'s object, from its parts: built here for a local generation and by
+    `generate --server` from what the server sent, so both print the same shape."""
+    return {
+        "text": text,
+        "token_ids": [t["id"] for t in tokens],
+        "tokens": tokens,
+        "finish_reason": finish_reason,
+        "target": target,
+        "draft": draft,
+        "settings": settings,
+        "stats": stats,
+    }
+
+
 def generation_json(generation: Generation, pipeline: Pipeline, sampling: SamplingConfig, spec: SpecConfig) -> dict:
     """`generate --json`: the text, every token with its provenance, what ran, the figures."""
     info = pipeline.model_info()
-    return {
-        "text": generation.text,
-        "token_ids": generation.token_ids,
-        "tokens": [
-            {
-                "id": t.token_id,
-                "text": t.text,
-                "provenance": t.provenance.value,
-                "step": t.step,
-                "draft_position": t.draft_position,
-            }
-            for t in generation.tokens
-        ],
-        "finish_reason": generation.finish_reason,
-        "target": info["target"],
-        "draft": info["draft"],
-        "settings": {
-            "k": spec.k, "max_new_tokens": spec.max_new_tokens, "temperature": sampling.temperature,
-            "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
-            "dtype": info["dtype"], "device": info["device"], "quant": info["quant"],
-            "draft_quant": pipeline.draft.quant if pipeline.draft else None,
-            "linear": info["linear"],
-            "backend": info["backend"],
-        },
-        "stats": generation.stats.as_dict(),
-    }
+    return generation_record(
+        generation.text,
+        [token_record(t) for t in generation.tokens],
+        generation.finish_reason,
+        info["target"],
+        info["draft"],
+        generation_settings(pipeline, sampling, spec),
+        generation.stats.as_dict(),
+    )
+
+
+def models_line(pipeline: Pipeline) -> str:
+    """What `--stats` says ran: the target, and the draft model or the drafter."""
+    line = f"target {pipeline.target.describe()}"
+    return line + (f"; draft {pipeline.draft.describe()}" if pipeline.draft else f"; drafter {pipeline.drafter_name}")
 
 
 def dump_json(payload: dict, stream: TextIO) -> None:
@@ -76,28 +108,34 @@ def fmt_optional(value: float | None, spec: str, missing: str = "n/a") -> str:
 
 def stats_summary(stats: GenerationStats) -> str:
     """A short block for stderr after a generation."""
-    rate = stats.acceptance_rate
+    return figures_summary(stats.as_dict())
+
+
+def figures_summary(figures: dict) -> str:
+    """`stats_summary` from a generation's figures as `GenerationStats.as_dict` gives them
+    (which is what a server sends back)."""
+    rate = figures["acceptance_rate"]
     acceptance = "n/a (nothing drafted)" if rate is None else f"{100 * rate:.1f}%"
     lines = [
-        f"tokens: {stats.new_tokens} in {stats.steps} steps"
-        f" | {fmt_optional(stats.tokens_per_second, '.2f')} tok/s"
+        f"tokens: {figures['new_tokens']} in {figures['steps']} steps"
+        f" | {fmt_optional(figures['tokens_per_second'], '.2f')} tok/s"
         f" | acceptance {acceptance}"
-        f" | tokens/step {fmt_optional(stats.tokens_per_step, '.2f')}"
-        f" (predicted {fmt_optional(stats.predicted_tokens_per_step, '.2f')})"
-        f" | first token {fmt_optional(stats.first_token_seconds, '.2f')} s",
+        f" | tokens/step {fmt_optional(figures['tokens_per_step'], '.2f')}"
+        f" (predicted {fmt_optional(figures['predicted_tokens_per_step'], '.2f')})"
+        f" | first token {fmt_optional(figures['time_to_first_token_seconds'], '.2f')} s",
     ]
-    if stats.acceptance_by_position:
-        by_position = " ".join(f"{100 * rate:.0f}%" for rate in stats.acceptance_by_position)
+    if figures["acceptance_by_position"]:
+        by_position = " ".join(f"{100 * rate:.0f}%" for rate in figures["acceptance_by_position"])
         lines.append(f"acceptance by draft position: {by_position}")
-    if stats.tree_steps:
+    if figures["tree_steps"]:
         lines.append(
-            f"trees: {stats.tree_steps} of {stats.steps} steps verified a tree;"
-            f" {fmt_optional(stats.mean_pass_size, '.1f')} tokens per target pass,"
-            f" accepted path {stats.accepted / stats.steps:.2f} tokens on average"
+            f"trees: {figures['tree_steps']} of {figures['steps']} steps verified a tree;"
+            f" {fmt_optional(figures['mean_pass_size'], '.1f')} tokens per target pass,"
+            f" accepted path {figures['accepted'] / figures['steps']:.2f} tokens on average"
         )
     lines.append(
-        f"time: prefill {stats.prefill_seconds:.2f} s, draft {stats.draft_seconds:.2f} s,"
-        f" verify {stats.verify_seconds:.2f} s; finished by {stats.finish_reason or 'interrupt'}"
+        f"time: prefill {figures['prefill_seconds']:.2f} s, draft {figures['draft_seconds']:.2f} s,"
+        f" verify {figures['verify_seconds']:.2f} s; finished by {figures['finish_reason'] or 'interrupt'}"
     )
     return "\n".join(lines)
 
@@ -145,10 +183,39 @@ def print_generation(
         sys.stdout.write("\n")
         sys.stdout.flush()
     if show_stats:
-        models = f"target {pipeline.target.describe()}"
-        models += f"; draft {pipeline.draft.describe()}" if pipeline.draft else f"; drafter {pipeline.drafter_name}"
-        print(models, file=sys.stderr)
+        print(models_line(pipeline), file=sys.stderr)
         print(stats_summary(generation.stats), file=sys.stderr)
     if not generation.finished:
         print("interrupted", file=sys.stderr)
     return generation.finished
+
+
+def print_remote_generation(remote: RemoteGeneration, as_json: bool, show_stats: bool) -> bool:
+    """`generate --server`: what `print_generation` prints for a local generation, from the
+    server's stream (the text as it comes, or the same JSON object; the same statistics). On
+    Ctrl-C the connection closes, which stops the server's generation within one step."""
+    try:
+        for piece in remote:
+            if not as_json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        remote.pieces.close()
+    figures = remote.figures
+    if as_json:
+        text = "".join(remote.text)
+        if figures is None:
+            record = generation_record(text, remote.tokens, remote.finish_reason, None, None, None, None)
+        else:
+            record = generation_record(text, remote.tokens, figures["finish_reason"], figures["target"],
+                                       figures["draft"], figures["settings"], figures["stats"])
+        dump_json(record, sys.stdout)
+    elif sys.stdout.isatty():
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if show_stats and figures is not None:
+        print(figures["models"], file=sys.stderr)
+        print(figures_summary(figures["stats"]), file=sys.stderr)
+    if not remote.finished:
+        print("interrupted", file=sys.stderr)
+    return remote.finished

@@ -1,0 +1,144 @@
+"""OpenAI's response objects (whole, and as stream chunks) for chat and text completions,
+with a `specgen` object of the generation's figures: what `generate --json` reports."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from speccli.config import SamplingConfig, SpecConfig
+from speccli.events import TokenEvent
+from speccli.ui.plain import generation_settings, models_line, token_record
+
+if TYPE_CHECKING:  # pragma: no cover
+    from speccli.api import Generation, Speculator
+    from speccli.pipeline import Pipeline
+
+# specgen's finish reasons in OpenAI's words: an end-of-sequence token and a stop string are
+# both "stop"; the token limit and a full context are both "length".
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length", "context": "length"}
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the server serves: the name clients ask for, and the loaded pair."""
+
+    name: str
+    pipeline: Pipeline
+    speculator: Speculator
+    created: int
+
+    def model_object(self) -> dict:
+        info = self.pipeline.model_info()
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "specgen",
+            "specgen": {**info, "models": models_line(self.pipeline), "context": self.speculator.target.max_length},
+        }
+
+
+def usage(prompt_tokens: int, generation: Generation) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(generation.tokens),
+        "total_tokens": prompt_tokens + len(generation.tokens),
+        "prompt_tokens_details": {"cached_tokens": generation.stats.reused_tokens},
+    }
+
+
+def estimated_speedup(served: Served, generation: Generation) -> float | None:
+    """This generation's tokens/s over the plain target's, estimated from the measured cost of
+    a one-token pass (the calibration `k auto` runs on); None without a drafter or costs."""
+    costs = served.speculator.decoder.costs
+    stats = generation.stats
+    if served.speculator.drafter is None or costs is None or not costs.verify_seconds:
+        return None
+    if stats.new_tokens == 0 or stats.decode_seconds <= 0:
+        return None
+    return round(costs.interpolated(1) * stats.new_tokens / stats.decode_seconds, 3)
+
+
+def figures(
+    served: Served, generation: Generation, sampling: SamplingConfig, spec: SpecConfig, with_tokens: bool
+) -> dict:
+    """The `specgen` object of a finished response: what speculation did, and everything
+    `generate --json` prints but the text and tokens (those too, with `with_tokens`)."""
+    stats = generation.stats
+    info = served.pipeline.model_info()
+    payload = {
+        "drafter": served.pipeline.drafter_name,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_rate": None if stats.acceptance_rate is None else round(stats.acceptance_rate, 4),
+        "tokens_per_step": None if stats.tokens_per_step is None else round(stats.tokens_per_step, 4),
+        "estimated_speedup": estimated_speedup(served, generation),
+        "finish_reason": generation.finish_reason,
+        "target": info["target"],
+        "draft": info["draft"],
+        "models": models_line(served.pipeline),
+        "settings": generation_settings(served.pipeline, sampling, spec),
+        "stats": stats.as_dict(),
+    }
+    if with_tokens:
+        payload["tokens"] = [token_record(t) for t in generation.tokens]
+    return payload
+
+
+def finish_reason(generation: Generation) -> str:
+    return FINISH_REASONS.get(generation.finish_reason, "stop")
+
+
+class Reply:
+    """The objects of one response: a chat completion or a text completion, whole or as chunks."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+
+    def _envelope(self, chunk: bool, choices: list[dict], **extra) -> dict:
+        if self.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices, **extra}
+
+    def _choice(self, text: str | None, finish: str | None, chunk: bool, role: bool = False) -> dict:
+        if not self.chat:
+            return {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
+        if chunk:
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+
+    def whole(self, generation: Generation, usage_: dict, specgen: dict) -> dict:
+        return self._envelope(False, [self._choice(generation.text, finish_reason(generation), False)],
+                              usage=usage_, specgen=specgen)
+
+    def first_chunk(self) -> dict | None:
+        """A chat stream opens with the assistant's role (and empty content), as OpenAI's does."""
+        if not self.chat:
+            return None
+        return self._envelope(True, [self._choice("", None, True, role=True)], usage=None)
+
+    def token_chunk(self, token: TokenEvent, with_tokens: bool) -> dict:
+        extra = {"specgen": {"tokens": [token_record(token)]}} if with_tokens else {}
+        return self._envelope(True, [self._choice(token.text, None, True)], usage=None, **extra)
+
+    def finish_chunk(self, generation: Generation, specgen: dict) -> dict:
+        choice = self._choice(None if self.chat else "", finish_reason(generation), True)
+        return self._envelope(True, [choice], usage=None, specgen=specgen)
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return self._envelope(True, [], usage=usage_)
