@@ -89,7 +89,7 @@ def validation_error(error: ValidationError) -> APIError:
         return invalid(param, f"Unrecognized request argument supplied: {param}", "unknown_parameter")
     if kind == "missing":
         return invalid(param, f"Missing required parameter: '{param}'.", "missing_required_parameter")
-    if kind.endswith("_type") or kind in ("literal_error", "model_type", "finite_number"):
+    if kind.endswith("_type") or kind in ("literal_error", "model_type"):
         return invalid(param, f"Invalid type for '{param}': {first['msg']}.", "invalid_type")
     return invalid(param, f"Invalid value for '{param}': {first['msg']}.")
 
