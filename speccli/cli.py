@@ -353,6 +353,15 @@ def generate(
     _run_guarded(body)
 
 
+def _needs_serve_extra(what: str, *modules: str) -> None:
+    import importlib.util
+
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"{what} needs the serve extra ({', '.join(missing)} not installed)",
+                         'pip install "specgen[serve]"')
+
+
 def _generation_settings(k: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: Optional[int],
                          stop: list[str], tree: bool) -> tuple[SamplingConfig, SpecConfig]:
     try:
@@ -371,6 +380,7 @@ def _generate_remote(server: str, api_key: Optional[str], target: Optional[str],
                      temperature: float, top_k: int, top_p: float, seed: Optional[int], stop: list[str], chat: bool,
                      system: Optional[str], as_json: bool, stats: bool) -> int:
     """`generate --server`: the request to a running `specgen serve`, printed as a local one is."""
+    _needs_serve_extra("generate --server", "httpx", "httpx_sse")
     from speccli.serve.client import RemoteRequest, ServerClient
     from speccli.ui.plain import print_remote_generation
 
@@ -559,6 +569,7 @@ def serve(
         import time
 
         progress = stderr_progress(quiet)
+        _needs_serve_extra("specgen serve", "starlette", "uvicorn", "sse_starlette", "pydantic")
         from speccli.pipeline import load_pipeline
         from speccli.serve.app import create_app
         from speccli.serve.responses import Served
