@@ -128,7 +128,7 @@ def main() -> int:
 
     oneshot = []
     for i, prompt in enumerate(texts):
-        seconds, record = specgen("generate", prompt, "-n", n, "--json", "-q", *model_args)
+        seconds, record = specgen("generate", "-n", n, "--json", "-q", *model_args, "--", prompt)
         oneshot.append({"wall_s": seconds, "engine_s": record["stats"]["total_seconds"], "text": record["text"]})
         print(f"oneshot {i + 1}/{len(texts)}: {seconds:.2f} s", file=sys.stderr)
 
@@ -138,7 +138,7 @@ def main() -> int:
         streamed(server.url, model, "warm-up", 4)
         client, http = [], []
         for i, prompt in enumerate(texts):
-            seconds, record = specgen("generate", prompt, "-n", n, "--json", "-q", "--server", server.url)
+            seconds, record = specgen("generate", "-n", n, "--json", "-q", "--server", server.url, "--", prompt)
             client.append({"wall_s": seconds, "engine_s": record["stats"]["total_seconds"], "text": record["text"]})
             http.append(streamed(server.url, model, prompt, args.max_new_tokens))
             print(f"client {i + 1}/{len(texts)}: {seconds:.2f} s; http overhead {http[-1]['overhead_ms']:.1f} ms",

@@ -354,6 +354,7 @@ BIG = 5 << 20
         ("/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
         ("/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1.5}, 400, "max_tokens", "invalid_type"),
         ("/completions", {"model": MODEL, "prompt": "x", "seed": "7"}, 400, "seed", "invalid_type"),
+        ("/completions", {"model": MODEL, "prompt": "x", "seed": 1 << 64}, 400, "seed", "invalid_value"),
         ("/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "unsupported_value"),
         ("/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty",
          "unsupported_value"),
@@ -457,6 +458,16 @@ def test_a_dropped_stream_ends_its_generation_and_the_next_is_answered(endless_s
     assert len(answer.choices[0].text) == 5
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_stops_its_generation(endless_server):
+    before = endless_server.health()["requests"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(endless_server.base + "/completions", timeout=httpx.Timeout(60, read=1.0),
+                   json={"model": MODEL, "prompt": "go", "max_tokens": 100000, "temperature": 0})
+    wait_for(lambda: endless_server.health()["requests"]["cancelled"] == before["cancelled"] + 1)
+    assert not endless_server.health()["generating"]
+    assert endless_server.health()["requests"]["tokens"] - before["tokens"] < 50000
+
+
 def test_past_max_queue_a_request_gets_503_with_retry_after(endless_server):
     running = httpx.stream("POST", endless_server.base + "/completions", timeout=60,
                            json={"model": MODEL, "prompt": "long", "max_tokens": 100000, "temperature": 0, "stream": True})
@@ -503,14 +514,15 @@ def test_an_api_key_is_asked_for_on_v1_only(folders, tmp_path):
         assert running.stop() == 0
 
 
-def test_sigint_ends_the_running_generation_and_exits_cleanly(folders, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_ends_the_running_generation_and_exits_cleanly(folders, tmp_path, stop):
     running = ServerProcess(["--target", folders["endless"], "--draft", "none", "--device", "cpu", "--dtype", "float32",
                              "--model-name", MODEL], tmp_path)
     with httpx.stream("POST", running.base + "/completions", timeout=60,
                       json={"model": MODEL, "prompt": "go", "max_tokens": 100000, "temperature": 0, "stream": True}) as r:
         lines = r.iter_lines()
         next(lines)
-        running.process.send_signal(signal.SIGINT)
+        running.process.send_signal(stop)
         started = time.monotonic()
         rest = list(lines)  # the stream ends: the generation stopped
     code = running.process.wait(30)

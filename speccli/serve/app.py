@@ -33,14 +33,12 @@ from speccli.serve.schema import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ModelList,
     invalid,
 )
 from speccli.serve.service import Failed, Finished, GenerationService, Job, QueueFull, ShuttingDown, Token, Update
 
 MAX_BODY_BYTES = 4 << 20
-# How often a request that waits (in the queue, or for a whole answer) looks whether its
-# client is still there.
-DISCONNECT_POLL_SECONDS = 0.1
 # pydantic's names for the members of a Union in an error's location: not parameter names.
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
@@ -188,13 +186,13 @@ class Endpoints:
         })
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self.served.model_object()]})
+        return JSONResponse(ModelList(data=[self.served.model_card()]).model_dump())
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
         if name != self.served.name:
             raise self._unknown_model(name)
-        return JSONResponse(self.served.model_object())
+        return JSONResponse(self.served.model_card().model_dump())
 
     def _unknown_model(self, name: str) -> APIError:
         return APIError(404, f"The model '{name}' does not exist: this server serves '{self.served.name}'.",
@@ -246,35 +244,49 @@ class Endpoints:
             raise self._stopping() from None
         reply = Reply(chat, self.served.name)
         label = f"{request.method} {request.url.path}"
+        gone = self._watch(request)
         try:
-            first = await self._next(updates, request)
+            first = await self._next(updates, gone)
+            if isinstance(first, Failed):
+                raise self._stopping() if first.stopping else APIError(500, first.message, type="server_error")
+            if not body.stream:
+                return await self._whole(job, updates, reply, body, len(ids), gone, label)
         except ClientGone:
             job.cancel()
             self.log(f"{label}: the client went away while waiting")
             return Response(status_code=499)
-        if isinstance(first, Failed):
-            raise self._stopping() if first.stopping else APIError(500, first.message, type="server_error")
-        if body.stream:
-            return EventSourceResponse(self._stream(job, updates, reply, body, len(ids), label), sep="\n", ping=15)
-        return await self._whole(job, updates, reply, body, len(ids), request, label)
+        finally:
+            gone.cancel()  # from here a stream's disconnect is watched by the response itself
+        return EventSourceResponse(self._stream(job, updates, reply, body, len(ids), label), sep="\n", ping=15)
 
     def _stopping(self) -> APIError:
         return APIError(503, "The server is shutting down.", type="server_error", code="shutting_down")
 
-    async def _next(self, updates: asyncio.Queue[Update], request: Request) -> Update:
-        """The job's next update, watching meanwhile whether the client went away."""
-        while True:
-            try:
-                return await asyncio.wait_for(updates.get(), DISCONNECT_POLL_SECONDS)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise ClientGone() from None
+    async def _next(self, updates: asyncio.Queue[Update], gone: asyncio.Future) -> Update:
+        """The job's next update, unless the client goes away first (`gone`: see `_watch`)."""
+        update = asyncio.ensure_future(updates.get())
+        await asyncio.wait({update, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if update.done():
+            return update.result()
+        update.cancel()
+        raise ClientGone()
+
+    @staticmethod
+    def _watch(request: Request) -> asyncio.Future:
+        """A task that ends when the client disconnects (its body has been read whole, so the
+        next message a request can receive is the disconnect)."""
+
+        async def until_gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        return asyncio.ensure_future(until_gone())
 
     async def _whole(self, job: Job, updates: asyncio.Queue[Update], reply: Reply, body, prompt_tokens: int,
-                     request: Request, label: str) -> Response:
+                     gone: asyncio.Future, label: str) -> Response:
         try:
             while True:
-                update = await self._next(updates, request)
+                update = await self._next(updates, gone)
                 if isinstance(update, Failed):
                     raise self._stopping() if update.stopping else APIError(500, update.message, type="server_error")
                 if isinstance(update, Finished):
@@ -285,6 +297,7 @@ class Endpoints:
             return Response(status_code=499)
         finally:
             job.cancel()  # a no-op once the generation ended
+            gone.cancel()
         generation = update.generation
         self._log_done(label, update)
         if not generation.finished:

@@ -10,6 +10,18 @@ from typing import TYPE_CHECKING
 
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.events import TokenEvent
+from speccli.serve.schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChunkChoice,
+    Delta,
+    ModelCard,
+    TextChoice,
+    TextCompletion,
+    Usage,
+)
 from speccli.ui.plain import generation_settings, models_line, token_record
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,15 +42,11 @@ class Served:
     speculator: Speculator
     created: int
 
-    def model_object(self) -> dict:
+    def model_card(self) -> ModelCard:
         info = self.pipeline.model_info()
-        return {
-            "id": self.name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "specgen",
-            "specgen": {**info, "models": models_line(self.pipeline), "context": self.speculator.target.max_length},
-        }
+        return ModelCard(id=self.name, created=self.created, specgen={
+            **info, "models": models_line(self.pipeline), "context": self.speculator.target.max_length,
+        })
 
 
 def usage(prompt_tokens: int, generation: Generation) -> dict:
@@ -93,7 +101,8 @@ def finish_reason(generation: Generation) -> str:
 
 
 class Reply:
-    """The objects of one response: a chat completion or a text completion, whole or as chunks."""
+    """The objects of one response: a chat completion or a text completion, whole or as chunks
+    (speccli.serve.schema's typed models, dumped for the wire)."""
 
     def __init__(self, chat: bool, model: str) -> None:
         self.chat = chat
@@ -101,44 +110,50 @@ class Reply:
         self.created = int(time.time())
         self.model = model
 
-    def _envelope(self, chunk: bool, choices: list[dict], **extra) -> dict:
-        if self.chat:
-            kind = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, **extra}
-
-    def _choice(self, text: str | None, finish: str | None, chunk: bool, role: bool = False) -> dict:
-        if not self.chat:
-            return {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
-        if chunk:
-            delta: dict = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        message = {"role": "assistant", "content": text, "refusal": None}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+    def _head(self) -> dict:
+        return {"id": self.id, "created": self.created, "model": self.model}
 
     def whole(self, generation: Generation, usage_: dict, specgen: dict) -> dict:
-        return self._envelope(False, [self._choice(generation.text, finish_reason(generation), False)],
-                              usage=usage_, specgen=specgen)
+        finish = finish_reason(generation)
+        if self.chat:
+            choice = ChatChoice(message=AssistantMessage(content=generation.text), finish_reason=finish)
+            answer: ChatCompletion | TextCompletion = ChatCompletion(
+                **self._head(), choices=[choice], usage=Usage(**usage_), specgen=specgen)
+        else:
+            answer = TextCompletion(**self._head(), choices=[TextChoice(text=generation.text, finish_reason=finish)],
+                                    usage=Usage(**usage_), specgen=specgen)
+        return answer.model_dump()
+
+    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False, **extra) -> dict:
+        if self.chat:
+            delta = Delta(role="assistant" if role else None, content=text)
+            chunk: ChatCompletionChunk | TextCompletion = ChatCompletionChunk(
+                **self._head(), choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
+        else:
+            chunk = TextCompletion(**self._head(), choices=[TextChoice(text=text or "", finish_reason=finish)], **extra)
+        payload = _without_null_specgen(chunk.model_dump())
+        for choice in payload["choices"]:
+            if "delta" in choice:  # as OpenAI's: a delta holds only what it changes
+                choice["delta"] = {key: value for key, value in choice["delta"].items() if value is not None}
+        return payload
 
     def first_chunk(self) -> dict | None:
         """A chat stream opens with the assistant's role (and empty content), as OpenAI's does."""
-        if not self.chat:
-            return None
-        return self._envelope(True, [self._choice("", None, True, role=True)], usage=None)
+        return self._chunk("", role=True) if self.chat else None
 
     def token_chunk(self, token: TokenEvent, with_tokens: bool) -> dict:
         extra = {"specgen": {"tokens": [token_record(token)]}} if with_tokens else {}
-        return self._envelope(True, [self._choice(token.text, None, True)], usage=None, **extra)
+        return self._chunk(token.text, **extra)
 
     def finish_chunk(self, generation: Generation, specgen: dict) -> dict:
-        choice = self._choice(None if self.chat else "", finish_reason(generation), True)
-        return self._envelope(True, [choice], usage=None, specgen=specgen)
+        return self._chunk(None, finish_reason(generation), specgen=specgen)
 
     def usage_chunk(self, usage_: dict) -> dict:
-        return self._envelope(True, [], usage=usage_)
+        chunk = ChatCompletionChunk if self.chat else TextCompletion
+        return _without_null_specgen(chunk(**self._head(), choices=[], usage=Usage(**usage_)).model_dump())
+
+
+def _without_null_specgen(payload: dict) -> dict:
+    if payload.get("specgen") is None:
+        payload.pop("specgen", None)
+    return payload

@@ -46,7 +46,8 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorBody(error=detail).model_dump()
 
 
 def invalid(param: str | None, message: str, code: str = "invalid_value") -> APIError:
@@ -127,7 +128,7 @@ class _GenerationRequest(_Strict):
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)  # an extension, as vLLM's and llama.cpp's servers take it
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 63)  # what OpenAI takes: a 64-bit integer
     stop: Union[str, list[str], None] = None
     n: Optional[int] = None
     presence_penalty: Optional[float] = None
@@ -255,3 +256,103 @@ class CompletionRequest(_GenerationRequest):
         if any(not 0 <= token < vocab_size for token in prompt):
             raise invalid("prompt", f"token ids must lie in 0..{vocab_size - 1}")
         return list(prompt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses: OpenAI's objects, typed. Fields OpenAI sends as null are kept (clients read them).
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str]
+    refusal: Optional[str] = None
+
+
+class ChatChoice(_Out):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Optional[str]
+
+
+class Delta(_Out):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChunkChoice(_Out):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class TextChoice(_Out):
+    text: str
+    index: int = 0
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class _Completion(_Out):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: None = None
+    usage: Optional[Usage] = None
+    # specgen's figures (see speccli.serve.responses.figures); per-token records on a chunk.
+    specgen: Optional[dict[str, Any]] = None
+
+
+class ChatCompletion(_Completion):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Completion):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChunkChoice]
+
+
+class TextCompletion(_Completion):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[TextChoice]
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specgen"
+    specgen: dict[str, Any]
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorBody(_Out):
+    error: ErrorDetail

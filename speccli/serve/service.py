@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Union
 
 from speccli.config import SamplingConfig, SpecConfig
-from speccli.events import TokenEvent
+from speccli.events import FinishEvent, TokenEvent
 
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.api import Generation, Speculator
@@ -192,6 +192,7 @@ class GenerationService:
         started = time.perf_counter()
         generation = self.speculator.stream(job.prompt_ids, job.sampling, job.spec)
         job.post(Started())
+        posted = False
         for response in generation:
             if job.cancelled.is_set():
                 generation.close()  # what it held back is not sent: nobody is listening
@@ -199,6 +200,15 @@ class GenerationService:
             token = response.token
             if token is not None:
                 job.post(Token(token))
+            elif isinstance(response.event, FinishEvent):
+                # The answer is complete: the client has it now, while what `k auto` learned is
+                # kept (on disk) after the last event, before the next job starts.
+                self._finished(job, generation, started)
+                posted = True
+        if not posted:
+            self._finished(job, generation, started)
+
+    def _finished(self, job: Job, generation: Generation, started: float) -> None:
         seconds = time.perf_counter() - started
         self.counts.tokens += len(generation.tokens)
         if generation.finished:
