@@ -7,7 +7,8 @@ One machine, one run, greedy, the default pair unless --target/--draft say other
   oneshot   `specgen generate PROMPT --json` as a new process per request: the load every time
   client    `specgen generate PROMPT --json --server URL` as a new process per request, against
             one `specgen serve` started once (its start is timed too)
-  http      the same requests streamed over HTTP from this process (httpx): the server's own
+  http      the same requests streamed over HTTP from this process (one httpx client, its
+            connection kept, as an editor's or an agent's): the server's own
             overhead per request is the wall time from sending the request to the stream's
             [DONE] less the engine's time (the generation's total_seconds); the first chunk's
             lag is the time to the first content chunk less the engine's time to its first
@@ -81,11 +82,11 @@ class Server:
         return self.process.wait(60)
 
 
-def streamed(url: str, model: str, prompt: str, max_new: int) -> dict:
+def streamed(http: httpx.Client, url: str, model: str, prompt: str, max_new: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_new, "temperature": 0, "stream": True}
     text, first, figures = [], None, None
     started = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=None) as response:
+    with http.stream("POST", url + "/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -134,13 +135,14 @@ def main() -> int:
 
     server = Server(model_args)
     try:
-        model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        streamed(server.url, model, "warm-up", 4)
+        http_client = httpx.Client(timeout=None)  # one client, its connection kept, as an editor's or agent's
+        model = http_client.get(server.url + "/v1/models").json()["data"][0]["id"]
+        streamed(http_client, server.url, model, "warm-up", 4)
         client, http = [], []
         for i, prompt in enumerate(texts):
             seconds, record = specgen("generate", "-n", n, "--json", "-q", "--server", server.url, "--", prompt)
             client.append({"wall_s": seconds, "engine_s": record["stats"]["total_seconds"], "text": record["text"]})
-            http.append(streamed(server.url, model, prompt, args.max_new_tokens))
+            http.append(streamed(http_client, server.url, model, prompt, args.max_new_tokens))
             print(f"client {i + 1}/{len(texts)}: {seconds:.2f} s; http overhead {http[-1]['overhead_ms']:.1f} ms",
                   file=sys.stderr)
     finally:

@@ -233,7 +233,14 @@ class Endpoints:
 
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[Update] = asyncio.Queue()
-        job = Job(ids, sampling, spec, post=lambda update: loop.call_soon_threadsafe(updates.put_nowait, update))
+
+        def post(update: Update) -> None:  # from the worker thread
+            try:
+                loop.call_soon_threadsafe(updates.put_nowait, update)
+            except RuntimeError:  # the server's loop has closed: nobody waits for this any more
+                pass
+
+        job = Job(ids, sampling, spec, post=post)
         try:
             self.service.submit(job)
         except QueueFull as full:
