@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ from speccli.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    ClosedStdout,
     RuntimeFailure,
     UsageError,
     debugging,
@@ -212,6 +214,11 @@ def with_load_options(command: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(command)
     def with_load(**kwargs) -> None:
+        try:
+            _check_model_names(kwargs.get("target"), kwargs.get("draft"))
+        except UsageError as error:
+            report(str(error), error.hint)
+            raise typer.Exit(EXIT_USAGE) from None
         load = {name: kwargs.pop(name) for name, _, _ in LOAD_OPTIONS}
         from speccli.backends import ranks
 
@@ -221,6 +228,14 @@ def with_load_options(command: Callable[..., None]) -> Callable[..., None]:
 
     with_load.__signature__ = signature.replace(parameters=[*own, *shared])
     return with_load
+
+
+def _check_model_names(target: Optional[str], draft: Optional[str]) -> int:
+    """An empty --target or --draft (a forgotten `$MODEL`) is refused, not taken for the default."""
+    for option, value in (("--target", target), ("--draft", draft)):
+        if value is not None and not value.strip():
+            raise UsageError(f"{option} is empty", f"give a model (see `specgen models`), or leave {option} out for the default")
+    return 0
 
 
 def _tensor_parallel(command: Callable[..., None], kwargs: dict, load: dict) -> None:
@@ -631,16 +646,19 @@ def plan(
     would fit when they do not. Exit code 2 when they do not."""
 
     def body() -> int:
-        from speccli.models.loading import DTYPES, load_config
+        from speccli.models.loading import DTYPES, check_heads_split, load_config
         from speccli.models.plan import QUANT_NAMES, meta_model, plan_pair
         from speccli.ui import plan_table
 
         progress = stderr_progress(quiet)
+        if gpu_memory is not None and not (math.isfinite(gpu_memory) and gpu_memory > 0):
+            raise UsageError(f"--gpu-memory must be a positive number of GB, got {gpu_memory}", "e.g. --gpu-memory 80")
         for name, value in (("--quant", quant), ("--draft-quant", draft_quant or quant)):
             if value not in QUANT_NAMES:
                 raise UsageError(f"{name} takes {', '.join(QUANT_NAMES)}, not {value!r}")
         if dtype not in ("bfloat16", "float16", "float32"):
             raise UsageError(f"--dtype takes bfloat16, float16 or float32, not {dtype!r}")
+        _check_model_names(target, draft)
         target_name, draft_name = target or _default_target(), draft or _default_draft()
         if draft_name.strip().lower() == "auto":
             from speccli.models.drafts import choose_draft
@@ -650,6 +668,16 @@ def plan(
             draft_name = choice.name
         target_resolved, target_config = load_config(target_name, trust_remote_code=trust_remote_code, progress=progress,
                                                        shapes_only=True)
+        if tp > 1:
+            from speccli.backends.distributed import TP_QUANTS
+
+            if target_resolved.is_gguf:
+                raise UsageError(f"--tp splits safetensors models; {target_name} is a GGUF file",
+                                 "plan the model's safetensors release, or drop --tp")
+            if quant not in TP_QUANTS:
+                raise UsageError(f"--tp {tp} splits unquantized weights; `generate --tp` refuses --quant {quant}",
+                                 "plan with --quant none, or drop --tp")
+            check_heads_split(target_name, target_config, tp)
         draft_model = None
         if draft_name.strip().lower() not in PLANLESS_DRAFTS:
             draft_resolved, draft_config = load_config(draft_name, trust_remote_code=trust_remote_code, progress=progress,
@@ -706,6 +734,12 @@ def models(
         from speccli.ui import models_table
 
         cache = default_cache_dir()
+        for option, value, hint in (
+            ("--remove-converted", remove_converted, "give part of a GGUF file's name, or `all` to remove every entry"),
+            ("--drafts-for", drafts_for, "give a target: an alias, a Hub id, a folder or a .gguf file"),
+        ):
+            if value is not None and not value.strip():
+                raise UsageError(f"{option} is empty", hint)
         progress = stderr_progress(False)
         if drafts_for is not None:
             from speccli.models.drafts import choose_draft, drafts_for as list_drafts
@@ -803,14 +837,16 @@ def train(
         from speccli.models.loading import load_model
         from speccli.ui.progress import TrainProgressDisplay
 
+        _check_model_names(target, None)
         name = kind.strip().lower()
         if name not in HEAD_KINDS:
             raise UsageError(f"unknown kind of heads {kind!r}", f"use one of: {', '.join(HEAD_KINDS)}")
         for number, value in (("--tokens", tokens), ("--heads", heads), ("--vocab", vocab), ("--batch", batch), ("--unroll", unroll)):
             if value is not None and value < 1:
                 raise UsageError(f"{number} must be at least 1, got {value}")
-        if epochs is not None and epochs <= 0:
-            raise UsageError(f"--epochs must be positive, got {epochs}")
+        for number, value in (("--epochs", epochs), ("--lr", learning_rate)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise UsageError(f"{number} must be a positive number, got {value}")
         if answers is not None and answers < 0:
             raise UsageError(f"--answers must be 0 or more, got {answers}")
         target_config, _ = options.configs()
@@ -879,10 +915,44 @@ def _reader_went_away(stdout_before: tuple[int, int] | None) -> bool:
     return stdout_before not in (None, null) and _stdout_file() == null
 
 
+def _click_errors():
+    """click's exceptions, as the Typer in use raises them (0.28 carries a copy of click)."""
+    try:
+        from typer._click import exceptions
+    except ImportError:  # a Typer that uses click itself
+        from click import exceptions
+    return exceptions
+
+
+def _parse_error(error) -> int:
+    """An option or argument the parser refuses (a number out of range, an unknown option, a
+    missing value): one line and a hint, as every other usage error, not click's box."""
+    errors = _click_errors()
+    if isinstance(error, errors.NoArgsIsHelpError):
+        print(error.ctx.get_help() if error.ctx is not None else error.format_message(), file=sys.stderr)
+        return EXIT_USAGE
+    command = error.ctx.command_path if getattr(error, "ctx", None) is not None else "specgen"
+    report(error.format_message(), f"see `{command} --help`")
+    return error.exit_code if isinstance(error, errors.UsageError) else EXIT_USAGE
+
+
 def main() -> None:
+    errors = _click_errors()
+    if sys.stdout is None:
+        sys.stdout = ClosedStdout()
     stdout_before = _stdout_file()
     try:
-        app()
+        try:
+            code = app(standalone_mode=False)
+        except errors.ClickException as error:
+            code = _parse_error(error)
+        except RuntimeFailure as error:  # outside a command's body: its help, say, to a closed stdout
+            report(str(error), error.hint)
+            code = EXIT_FAILURE
+        except typer.Abort:  # Ctrl-C or end of input inside the parser's own prompt
+            print("\ninterrupted", file=sys.stderr)
+            code = EXIT_INTERRUPTED
+        raise SystemExit(code or 0)
     except SystemExit as done:
         # `specgen --help | head -1`: the same exit status as a generation whose reader went away.
         if done.code == EXIT_FAILURE and _reader_went_away(stdout_before):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 
@@ -19,11 +20,15 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if not 0.0 < self.top_p <= 1.0:  # NaN too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 
@@ -39,3 +40,24 @@ def report(message: str, hint: str = "") -> None:
     print(f"error: {message}", file=sys.stderr)
     if hint:
         print(f"hint: {hint}", file=sys.stderr)
+
+
+class StdoutClosed(RuntimeFailure):
+    def __init__(self) -> None:
+        super().__init__("standard output is closed: there is nowhere to write the output",
+                         "redirect it instead: > FILE, or > /dev/null to drop it")
+
+
+class ClosedStdout(io.TextIOBase):
+    """What stands for standard output when the process started with it closed (`>&-`):
+    Python leaves sys.stdout None there, and the first write would be an AttributeError.
+    Writing raises StdoutClosed; a command that writes nothing (serve) runs as usual."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise StdoutClosed()
+
+    def isatty(self) -> bool:
+        return False

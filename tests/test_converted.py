@@ -215,3 +215,86 @@ def test_the_kernels_are_timed_before_the_conversion_is_written(gguf_file, cache
     monkeypatch.setattr(converted, "store", lambda *a, **k: order.append("written") or real_store(*a, **k))
     load_model(str(path), LoadConfig(device="cpu", dtype="float32", cpu_linear="auto"), cache_dir=cache)
     assert order == ["timed", "written"]  # a writing thread would have slowed the timed kernels
+
+
+def _damage_weights_in_place(weights, offset_share: float, data: bytes) -> None:
+    """Write `data` over the weights file at a share of its length, keeping its size."""
+    with weights.open("r+b") as handle:
+        handle.seek(int(weights.stat().st_size * offset_share))
+        handle.write(data)
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        # Random bytes over the middle, the size unchanged: only the checksum can tell.
+        (lambda folder: _damage_weights_in_place(folder / "model.safetensors", 0.5, bytes(range(256)) * 4),
+         "changed since it was written"),
+        # A header that is not JSON any more.
+        (lambda folder: _damage_weights_in_place(folder / "model.safetensors", 0.0, b"\x10\x00\x00\x00\x00\x00\x00\x00{{{{"),
+         "header"),
+        # An impossible header length.
+        (lambda folder: _damage_weights_in_place(folder / "model.safetensors", 0.0, b"\xff" * 8),
+         "header's length is impossible"),
+        # Same size, not JSON any more.
+        (lambda folder: (folder / "config.json").write_text("[" + (folder / "config.json").read_text()[1:]),
+         "config.json is not valid JSON"),
+        (lambda folder: (folder / "specgen-entry.json").write_text("[]"), "record is missing or damaged"),
+    ],
+)
+def test_a_damaged_entry_is_never_loaded_and_is_converted_again(gguf_file, cache, model_loads, damage, reason):
+    path, source = gguf_file
+    load_model(str(path), F32, cache_dir=cache)
+    (entry,) = converted.entries(cache) or [None]
+    if entry is None:
+        pytest.fail("no entry was kept")
+    damage(entry.folder)
+    messages = []
+    again = load_model(str(path), F32, messages.append, cache)
+    assert [kind for kind, _ in model_loads] == ["gguf", "gguf"]  # dequantized again, the entry not read
+    assert weights_equal(again.model, source)
+    said = [m for m in messages if "were damaged" in m]
+    assert len(said) == 1 and reason in said[0] and "converting again" in said[0]
+    load_model(str(path), F32, cache_dir=cache)
+    assert model_loads[-1][0] == "folder"  # the rebuilt entry is read
+
+
+def test_a_touched_but_unchanged_entry_is_checked_once_and_kept(gguf_file, cache, model_loads):
+    import os
+
+    path, _ = gguf_file
+    load_model(str(path), F32, cache_dir=cache)
+    (entry,) = converted.entries(cache)
+    weights = entry.folder / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # copied without its times
+    load_model(str(path), F32, cache_dir=cache)
+    assert model_loads[-1][0] == "folder"
+    record = json.loads((entry.folder / converted.ENTRY_FILE).read_text())
+    assert record["checks"]["model.safetensors"]["mtime_ns"] == weights.stat().st_mtime_ns  # the new time, checked
+
+
+def test_an_entry_that_fails_to_load_is_removed_and_converted_again(gguf_file, cache, model_loads, monkeypatch):
+    path, source = gguf_file
+    load_model(str(path), F32, cache_dir=cache)
+    real = AutoModelForCausalLM.from_pretrained
+
+    def broken(location, *args, **kwargs):
+        if "gguf_file" not in kwargs and converted.FOLDER in str(location):
+            raise OSError("Error while deserializing header: invalid")
+        return real(location, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", broken)
+    messages = []
+    again = load_model(str(path), F32, messages.append, cache)
+    assert weights_equal(again.model, source)
+    assert any("could not be read (OSError): removed, converting again" in m for m in messages)
+
+
+def test_an_empty_name_removes_nothing(gguf_file, cache):
+    path, _ = gguf_file
+    load_model(str(path), F32, cache_dir=cache)
+    with pytest.raises(ValueError):
+        converted.remove(cache, "")
+    with pytest.raises(ValueError):
+        converted.remove(cache, "  ")
+    assert len(converted.entries(cache)) == 1

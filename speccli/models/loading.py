@@ -37,6 +37,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -770,9 +771,43 @@ def load_tokenizer(
 
 def check_tensor_parallel(name: str, config: LoadConfig, cache_dir: Path | None = None) -> None:
     """A ModelLoadError where transformers' tensor-parallel plan cannot split this target
-    (checked before any rank starts, and again by each)."""
+    (checked before any rank starts, and again by each): a GGUF file, a quantized format, the
+    llama.cpp backend, or attention heads that `config.tp` does not divide."""
     cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
+    if config.backend == "llama.cpp":
+        raise ModelLoadError(
+            f"--tp {config.tp} splits a target through transformers; the llama.cpp backend runs it whole",
+            hint="use --backend transformers (or auto) with --tp, or drop --tp",
+        )
     _tensor_parallel_device(name, config, resolve(name, cache, assemble=False))
+    _, model_config = load_config(name, cache, config.trust_remote_code, shapes_only=True)
+    check_heads_split(name, model_config, config.tp)
+
+
+def attention_heads(model_config: Any) -> tuple[int, int]:
+    """(attention heads, key/value heads) of a transformers config."""
+    text = getattr(model_config, "text_config", None) or model_config
+    heads = int(getattr(text, "num_attention_heads"))
+    return heads, int(getattr(text, "num_key_value_heads", None) or heads)
+
+
+def check_heads_split(name: str, model_config: Any, tp: int) -> None:
+    """A ModelLoadError unless `tp` ranks divide the target's attention and key/value heads
+    (each rank holds whole heads), naming the counts that would."""
+    if tp <= 1:
+        return
+    heads, kv_heads = attention_heads(model_config)
+    if heads % tp == 0 and kv_heads % tp == 0:
+        return
+    common = math.gcd(heads, kv_heads)
+    working = [n for n in range(2, common + 1) if common % n == 0]
+    hint = (f"use --tp {' or '.join(str(n) for n in working)}" if working
+            else "this model cannot be split by heads: drop --tp")
+    raise ModelLoadError(
+        f"--tp {tp} cannot split {name}: each rank holds whole heads, and it has {heads} attention heads"
+        f" and {kv_heads} key/value heads",
+        hint=hint,
+    )
 
 
 def _tensor_parallel_device(name: str, config: LoadConfig, resolved: ResolvedModel) -> torch.device:
@@ -864,13 +899,20 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
     keeping = resolved.is_gguf and config.keep_converted and not converted.disabled_by_environment()
     conversion = converted.identity(resolved.gguf_path, dtype_name(dtype)) if keeping else None
     keep: Callable[[], None] = lambda: None  # noqa: E731  (starts writing the conversion, once)
-    kept = converted.lookup(cache, conversion) if conversion is not None else None
-    with _explaining(name, resolved, quant, device):
-        if kept is not None:
-            say(f"loading {name}: {dtype_name(dtype)} weights converted earlier from {resolved.gguf_file} ({kept})")
+    kept = converted.lookup(cache, conversion, say) if conversion is not None else None
+    model = None
+    if kept is not None:
+        say(f"loading {name}: {dtype_name(dtype)} weights converted earlier from {resolved.gguf_file} ({kept})")
+        try:
             model = AutoModelForCausalLM.from_pretrained(str(kept), **_converted_kwargs(dtype, device))
-        else:
-            model = None
+        except Exception as error:  # noqa: BLE001 - an entry that cannot be read is never used: the GGUF is
+            if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+                raise  # the entry is fine; the device is full
+            converted.discard(kept)
+            say(f"the converted weights in {kept} could not be read ({type(error).__name__}): removed, converting again")
+            kept = None
+    with _explaining(name, resolved, quant, device):
+        if model is None:
             if resolved.is_gguf:
                 say(f"loading {name}: dequantizing {resolved.gguf_file} to {dtype_name(dtype)} on {device}")
                 model = _dequantize_gguf(pending, say)

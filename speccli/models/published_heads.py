@@ -105,11 +105,7 @@ class PublishedHead:
         out: dict[str, tuple[int, ...]] = {}
         for path in self.weights:
             if path.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(str(path), framework="pt") as handle:
-                    for key in handle.keys():
-                        out[key] = tuple(handle.get_slice(key).get_shape())
+                out.update(_read_safetensors(path, shapes_only=True))
             else:
                 out.update({k: tuple(v.shape) for k, v in _torch_load(path, mmap=True).items()})
         return out
@@ -118,12 +114,25 @@ class PublishedHead:
         out: dict[str, torch.Tensor] = {}
         for path in self.weights:
             if path.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
-                out.update(load_file(str(path)))
+                out.update(_read_safetensors(path, shapes_only=False))
             else:
                 out.update(_torch_load(path, mmap=False))
         return out
+
+
+def _read_safetensors(path: Path, shapes_only: bool) -> dict:
+    """A safetensors file's tensors, or (shapes_only) their shapes from its header; a file
+    that is truncated or not safetensors is a HeadsMismatch, one line, not a traceback."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if shapes_only:
+                return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+            return {key: handle.get_tensor(key) for key in handle.keys()}
+    except Exception as error:  # noqa: BLE001 - SafetensorError, OSError: any unreadable file is the same answer
+        raise HeadsMismatch(f"{path} cannot be read as safetensors ({error})",
+                            hint="download the head again, or point to an intact copy") from None
 
 
 def _torch_load(path: Path, mmap: bool) -> dict[str, torch.Tensor]:
