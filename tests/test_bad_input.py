@@ -256,3 +256,34 @@ def test_every_numeric_option_refuses_what_is_not_a_number(files, tmp_path, comm
         args += ["--device", "cpu"]
     result = specgen([a.format(**files) for a in [*args, option, value]], tmp_path)
     assert_one_line(result, EXIT_USAGE, "error:")
+
+
+# ---------------------------------------------------------------------------------------------
+# Interrupted runs
+
+
+def test_an_interrupted_generation_exits_130_with_one_word(tmp_path):
+    import signal
+
+    from conftest import ENDLESS_CONTEXT, default_sigint, never_ends
+
+    tokenizer = char_tokenizer()
+    endless = never_ends(tiny_llama(len(tokenizer), seed=1, logit_scale=20.0, max_positions=ENDLESS_CONTEXT))
+    folder = save_model_folder(endless, tokenizer, tmp_path / "endless")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "speccli.cli", "generate", "go", "--target", str(folder), "--draft", "ngram",
+         "--device", "cpu", "-n", "100000", "-q"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+        env=isolated_env(tmp_path), bufsize=0, preexec_fn=default_sigint,
+    )
+    first = b""
+    while len(first) < 4:
+        chunk = process.stdout.read(4 - len(first))
+        if not chunk:
+            break
+        first += chunk
+    process.send_signal(signal.SIGINT)
+    rest, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130
+    assert stderr.decode().strip().splitlines()[-1] == "interrupted" and b"Traceback" not in stderr
+    assert len(first + rest) >= 4
