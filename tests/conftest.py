@@ -130,6 +130,18 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def read_first(stream, count: int) -> bytes:
+    """Up to `count` bytes from an unbuffered pipe, as they come (fewer only at its end): a
+    child's first output, before a test interrupts it or closes the pipe."""
+    data = b""
+    while len(data) < count:
+        chunk = stream.read(count - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def perturbed_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:
     """A draft that mostly agrees with its target: the same weights plus noise."""
     torch.manual_seed(seed)

@@ -265,7 +265,7 @@ def test_every_numeric_option_refuses_what_is_not_a_number(files, tmp_path, comm
 def test_an_interrupted_generation_exits_130_with_one_word(tmp_path):
     import signal
 
-    from conftest import ENDLESS_CONTEXT, default_sigint, never_ends
+    from conftest import ENDLESS_CONTEXT, default_sigint, never_ends, read_first
 
     tokenizer = char_tokenizer()
     endless = never_ends(tiny_llama(len(tokenizer), seed=1, logit_scale=20.0, max_positions=ENDLESS_CONTEXT))
@@ -276,12 +276,7 @@ def test_an_interrupted_generation_exits_130_with_one_word(tmp_path):
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
         env=isolated_env(tmp_path), bufsize=0, preexec_fn=default_sigint,
     )
-    first = b""
-    while len(first) < 4:
-        chunk = process.stdout.read(4 - len(first))
-        if not chunk:
-            break
-        first += chunk
+    first = read_first(process.stdout, 4)
     process.send_signal(signal.SIGINT)
     rest, stderr = process.communicate(timeout=120)
     assert process.returncode == 130

@@ -21,6 +21,7 @@ from conftest import (
     isolated_env,
     never_ends,
     perturbed_copy,
+    read_first,
     save_model_folder,
     tiny_llama,
 )
@@ -126,12 +127,7 @@ def test_ctrl_c_keeps_what_was_printed_and_exits_130(endless, tmp_path):
         fcntl.fcntl(process.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)  # the child runs at most a page ahead
     except (ImportError, AttributeError, OSError):
         pass  # not Linux: the default pipe, still far shorter than the answer
-    first = b""
-    while len(first) < 8:  # generation has started
-        chunk = process.stdout.read(8 - len(first))
-        if not chunk:
-            break
-        first += chunk
+    first = read_first(process.stdout, 8)
     process.send_signal(signal.SIGINT)
     rest, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr.decode()
@@ -147,12 +143,7 @@ def test_a_reader_that_closes_the_pipe_stops_generation_quietly_with_141(endless
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
         env=isolated_env(tmp_path), bufsize=0,
     )
-    first = b""
-    while len(first) < 8:
-        chunk = process.stdout.read(8 - len(first))
-        if not chunk:
-            break
-        first += chunk
+    first = read_first(process.stdout, 8)
     process.stdout.close()
     stderr = process.stderr.read()
     assert process.wait(timeout=120) == 141, stderr.decode()

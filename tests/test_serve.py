@@ -4,7 +4,6 @@ built here, driven by the official `openai` client and by raw HTTP."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from conftest import (
     isolated_env,
     never_ends,
     perturbed_copy,
+    read_first,
     save_model_folder,
     tiny_llama,
 )
@@ -540,12 +540,7 @@ def test_ctrl_c_on_generate_server_stops_the_servers_generation(endless_server, 
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
         env=isolated_env(tmp_path), bufsize=0, preexec_fn=default_sigint,
     )
-    first = b""
-    while len(first) < 8:  # the answer is streaming
-        chunk = process.stdout.read(8 - len(first))
-        if not chunk:
-            break
-        first += chunk
+    first = read_first(process.stdout, 8)
     process.send_signal(signal.SIGINT)
     rest, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr.decode()
