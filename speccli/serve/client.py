@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.errors import RuntimeFailure, UsageError
@@ -71,7 +71,7 @@ class RemoteRequest:
 class RemoteGeneration:
     """What came back: text pieces as they arrive (iterate), then the server's figures."""
 
-    pieces: Iterator[str]
+    pieces: Generator[str, None, None]
     tokens: list[dict] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     figures: dict | None = None  # the `specgen` object of the last chunk; None if it never came
@@ -113,7 +113,7 @@ class ServerClient:
 
     def generate(self, request: RemoteRequest, model: str) -> RemoteGeneration:
         path = "/chat/completions" if request.chat else "/completions"
-        remote = RemoteGeneration(iter(()))
+        remote = RemoteGeneration(_nothing())
         remote.pieces = self._stream(path, request.body(model), remote)
         return remote
 
@@ -128,7 +128,7 @@ class ServerClient:
                 f"start it with `specgen serve`, or point --server ({SERVER_ENV}) at it",
             ) from None
 
-    def _stream(self, path: str, body: dict, remote: RemoteGeneration) -> Iterator[str]:
+    def _stream(self, path: str, body: dict, remote: RemoteGeneration) -> Generator[str, None, None]:
         from httpx_sse import EventSource
 
         waited = 0.0
@@ -179,6 +179,10 @@ class ServerClient:
         if 400 <= status < 500:
             raise UsageError(f"the server refused the request: {message}")
         raise RuntimeFailure(f"the server failed (HTTP {status}): {message}", "see the server's log")
+
+
+def _nothing() -> Generator[str, None, None]:
+    yield from ()
 
 
 def _error_object(content: bytes) -> dict:

@@ -124,13 +124,14 @@ class Reply:
                                     usage=Usage(**usage_), specgen=specgen)
         return answer.model_dump()
 
-    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False, **extra) -> dict:
+    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False, specgen: dict | None = None) -> dict:
         if self.chat:
             delta = Delta(role="assistant" if role else None, content=text)
             chunk: ChatCompletionChunk | TextCompletion = ChatCompletionChunk(
-                **self._head(), choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
+                **self._head(), choices=[ChunkChoice(delta=delta, finish_reason=finish)], specgen=specgen)
         else:
-            chunk = TextCompletion(**self._head(), choices=[TextChoice(text=text or "", finish_reason=finish)], **extra)
+            chunk = TextCompletion(**self._head(), choices=[TextChoice(text=text or "", finish_reason=finish)],
+                                   specgen=specgen)
         payload = _without_null_specgen(chunk.model_dump())
         for choice in payload["choices"]:
             if "delta" in choice:  # as OpenAI's: a delta holds only what it changes
@@ -142,8 +143,7 @@ class Reply:
         return self._chunk("", role=True) if self.chat else None
 
     def token_chunk(self, token: TokenEvent, with_tokens: bool) -> dict:
-        extra = {"specgen": {"tokens": [token_record(token)]}} if with_tokens else {}
-        return self._chunk(token.text, **extra)
+        return self._chunk(token.text, specgen={"tokens": [token_record(token)]} if with_tokens else None)
 
     def finish_chunk(self, generation: Generation, specgen: dict) -> dict:
         return self._chunk(None, finish_reason(generation), specgen=specgen)

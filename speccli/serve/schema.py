@@ -242,20 +242,19 @@ class CompletionRequest(_GenerationRequest):
 
     def prompt_of(self, vocab_size: int) -> Prompt | list[int]:
         """The text prompt, or the token ids it already is."""
-        prompt = self.prompt
-        if isinstance(prompt, list) and len(prompt) > 0 and isinstance(prompt[0], (str, list)):
+        prompt: Any = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise invalid("prompt", "specgen takes one prompt per request (batch size 1)", "unsupported_value")
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise invalid("prompt", "the prompt is empty")
-            return Prompt(text=prompt)
         if not prompt:
             raise invalid("prompt", "the prompt is empty")
-        if any(not 0 <= token < vocab_size for token in prompt):
+        if isinstance(prompt, str):
+            return Prompt(text=prompt)
+        ids: list[int] = list(prompt)
+        if any(not 0 <= token < vocab_size for token in ids):
             raise invalid("prompt", f"token ids must lie in 0..{vocab_size - 1}")
-        return list(prompt)
+        return ids
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TextIO
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generator, Iterator, Protocol, TextIO
 
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.events import Event, TokenEvent
@@ -18,7 +16,24 @@ from speccli.errors import UsageError
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.api import Generation
     from speccli.pipeline import Pipeline
-    from speccli.serve.client import RemoteGeneration
+
+
+class RemoteAnswer(Protocol):
+    """A generation streamed from a server (speccli.serve.client.RemoteGeneration): its text
+    pieces as they arrive, then what the server reported of it."""
+
+    pieces: Generator[str, None, None]
+    text: list[str]
+    tokens: list[dict]
+    figures: dict | None  # the server's figures: present once the answer finished
+
+    @property
+    def finished(self) -> bool: ...
+
+    @property
+    def finish_reason(self) -> str: ...
+
+    def __iter__(self) -> Iterator[str]: ...
 
 
 class PlainTextRenderer:
@@ -190,7 +205,7 @@ def print_generation(
     return generation.finished
 
 
-def print_remote_generation(remote: RemoteGeneration, as_json: bool, show_stats: bool) -> bool:
+def print_remote_generation(remote: RemoteAnswer, as_json: bool, show_stats: bool) -> bool:
     """`generate --server`: what `print_generation` prints for a local generation, from the
     server's stream (the text as it comes, or the same JSON object; the same statistics). On
     Ctrl-C the connection closes, which stops the server's generation within one step."""
