@@ -222,7 +222,8 @@ def with_load_options(command: Callable[..., None]) -> Callable[..., None]:
         load = {name: kwargs.pop(name) for name, _, _ in LOAD_OPTIONS}
         from speccli.backends import ranks
 
-        if load["tp"] > 1 or ranks.current().size > 1:
+        # A request sent to a server (`generate --server`) loads nothing here: no ranks to launch.
+        if kwargs.get("server") is None and (load["tp"] > 1 or ranks.current().size > 1):
             return _tensor_parallel(command, kwargs, load)
         return command(**kwargs, load=load)
 

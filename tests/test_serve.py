@@ -308,6 +308,7 @@ def test_generate_json_and_stats_through_the_server(server, folders, tmp_path):
         (["--target", "another"], 2, "does not exist"),
         (["--draft", "ngram"], 2, "cannot apply with --server"),
         (["--device", "cpu"], 2, "cannot apply with --server"),
+        (["--tp", "2"], 2, "--tp cannot apply with --server"),
         (["--temperature", "-1"], 2, "temperature"),
     ],
 )
