@@ -132,13 +132,14 @@ class GenerationService:
                 raise ShuttingDown()
             waiting = self._waiting.qsize()
             if self._running is not None and waiting >= self.max_queue:
-                raise QueueFull(waiting, self._retry_after(waiting))
+                raise QueueFull(waiting, self._retry_after())
             self._waiting.put(job)
 
-    def _retry_after(self, waiting: int) -> int:
-        """Seconds until a place is likely free: the recent mean generation time per job ahead."""
+    def _retry_after(self) -> int:
+        """Seconds until a place is likely free: a place frees when the running generation ends,
+        priced at the mean of the recent ones (1 s before any has finished)."""
         mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
-        return max(1, math.ceil(mean * (waiting + 1) / max(1, self.max_queue)))
+        return max(1, math.ceil(mean))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Refuse new jobs, cancel the running one and every waiting one, and end the worker."""
