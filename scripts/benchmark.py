@@ -60,7 +60,7 @@ import torch
 
 from speccli.api import Speculator
 from speccli.autok.costs import CostCurve, measure_costs
-from speccli.autok.store import describe
+from speccli.calibration import describe
 from speccli.bench.divergence import classify, first_difference
 from speccli.bench.prompts import encode_bench_prompt, load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig

@@ -50,7 +50,7 @@ from benchmark import DEFAULT_PROMPTS, fmt, log, round_robin_by_category, strip_
 
 from speccli.api import Speculator  # noqa: E402
 from speccli.autok.costs import CostCurve, measure_costs  # noqa: E402
-from speccli.autok.store import describe  # noqa: E402
+from speccli.calibration import describe  # noqa: E402
 from speccli.backends.llamacpp import LlamaCppLM, llama_cpp_version  # noqa: E402
 from speccli.bench.divergence import first_difference  # noqa: E402
 from speccli.bench.prompts import encode_bench_prompt, load_prompts  # noqa: E402

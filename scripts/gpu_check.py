@@ -59,7 +59,7 @@ from speccli.config import SamplingConfig, SpecConfig  # noqa: E402
 from speccli.drafters.model import ModelDrafter  # noqa: E402
 from speccli.events import FinishEvent, PrefillEvent, StepEvent, TokenEvent  # noqa: E402
 from speccli.loop import SpeculativeDecoder  # noqa: E402
-from speccli.models.fused import fuse_projections  # noqa: E402
+from speccli.backends.fused import fuse_projections  # noqa: E402
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32)
 CONTEXTS = (256, 2048)

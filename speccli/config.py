@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -153,3 +155,15 @@ class LoadConfig:
             raise ValueError(f"tp must be 1 or more, got {self.tp}")
         if self.compile not in COMPILE:
             raise ValueError(f"compile must be one of {', '.join(COMPILE)}, got {self.compile!r}")
+
+
+def default_cache_dir() -> Path:
+    """specgen's cache: ``$SPECGEN_CACHE``, else ``$XDG_CACHE_HOME/specgen``, else ``~/.cache/specgen``."""
+    env = os.environ.get("SPECGEN_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    # The XDG spec says relative values are invalid and must be ignored.
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "specgen"
+    return Path.home() / ".cache" / "specgen"

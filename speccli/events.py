@@ -5,10 +5,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from speccli.text import OutputText
+from typing import Protocol
 
 
 class Provenance(str, Enum):
@@ -102,6 +99,15 @@ class FinishEvent:
 Event = PrefillEvent | TokenEvent | StepEvent | FinishEvent
 
 
+class HeldText(Protocol):
+    """The output text as the loop releases it (speccli.text.OutputText): tokens held back
+    until their text is certain, released at the end."""
+
+    def finish(self) -> None: ...
+
+    def take(self) -> Iterator[TokenEvent]: ...
+
+
 class EventStream(Iterator[Event]):
     """The events of one generation, as `SpeculativeDecoder.generate` returns them.
 
@@ -115,7 +121,7 @@ class EventStream(Iterator[Event]):
     them). After a generation that finished, `flush()` returns [].
     """
 
-    def __init__(self, events: Generator[Event, None, None], output: "OutputText") -> None:
+    def __init__(self, events: Generator[Event, None, None], output: HeldText) -> None:
         self._events = events
         self._output = output
 

@@ -89,12 +89,12 @@ class Pipeline:
 
     def speculator(self, progress: Callable[[str], None] | None = None, recalibrate: bool = False) -> Speculator:
         """The Speculator over this pipeline's decoder. `k auto` calibrates through the
-        on-disk cache (speccli.autok.store) the first time it is asked for, and
+        on-disk cache (speccli.calibration) the first time it is asked for, and
         what it learns about the draft's acceptance is kept there after each generation, with
         the passes it ran while the calibration is still filling in; a complete calibration
         the generation's own passes show overstated is dropped, to be measured again."""
         from speccli.api import Speculator
-        from speccli.autok.store import calibrate, drop_if_overstated, refine, remember
+        from speccli.calibration import calibrate, drop_if_overstated, refine, remember
 
         def after_generation(decoder: SpeculativeDecoder, max_k: int) -> str | None:
             remember(self, max_k, decoder=decoder)
@@ -343,7 +343,8 @@ def head_drafter(
     train` saves heads for it. Heads trained for another target are refused (HeadsMismatch)."""
     from speccli.drafters.eagle_layer import OutputRows
     from speccli.drafters.heads import EagleDrafter, MedusaDrafter
-    from speccli.heads.store import HeadsMismatch, default_heads_path, load_heads
+    from speccli.heads.store import HeadsMismatch, load_heads
+    from speccli.models.offline import default_heads_path
     from speccli.models import offline
 
     if path is None:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import save_model_folder, wrap
-from speccli.autok import store as calibration_cache
+from speccli import calibration as calibration_cache
 from speccli.autok.costs import CostCurve, measure_costs
 from speccli.autok.policy import AdaptiveDraftLength
-from speccli.autok.store import (
+from speccli.calibration import (
     calibrate,
     calibration_identity,
     calibration_path,
@@ -101,7 +101,7 @@ def test_measure_costs_takes_eight_rounds_after_the_warm_up_by_default(pairs, mo
 
 
 def test_round_progress_says_the_time_left_after_the_first_round_then_every_twenty_seconds():
-    from speccli.autok.store import RoundProgress
+    from speccli.calibration import RoundProgress
 
     now = [100.0]
     said: list[str] = []
@@ -296,7 +296,7 @@ def test_the_target_is_calibrated_once_for_every_drafter_and_a_draft_model_times
 
 def test_drafters_without_a_model_share_one_calibration_and_keep_their_priors_apart(folders, tmp_path, monkeypatch):
     from speccli.autok.policy import AcceptancePrior
-    from speccli.autok.store import prior_path
+    from speccli.calibration import prior_path
 
     ngram = pipeline_for(folders, draft="ngram")
     costs = calibrate(ngram, max_k=2, cache_dir=tmp_path)
@@ -326,7 +326,7 @@ def test_drafters_without_a_model_share_one_calibration_and_keep_their_priors_ap
 
 def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_next_session(folders, tmp_path, monkeypatch):
     from speccli.autok.policy import AcceptancePrior
-    from speccli.autok.store import prior_path, read_prior, remember
+    from speccli.calibration import prior_path, read_prior, remember
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: FLAT)
@@ -370,7 +370,7 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
 
 
 def test_prompt_lookup_remembers_its_acceptance_by_match_length(folders, tmp_path, monkeypatch):
-    from speccli.autok.store import prior_path, read_prior, remember
+    from speccli.calibration import prior_path, read_prior, remember
     from speccli.drafters.ngram import LOOKUP_ACCEPTANCE
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
@@ -465,7 +465,7 @@ def test_the_check_after_a_generation_reads_the_decoder_that_ran_it(folders, tmp
     import copy
 
     from speccli.autok.costs import MIN_PASSES
-    from speccli.autok.store import prior_path, read_prior
+    from speccli.calibration import prior_path, read_prior
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
     slow = CostCurve({n: 10.0 for n in range(1, 10)}, 0.5)
@@ -488,7 +488,7 @@ def test_the_check_after_a_generation_reads_the_decoder_that_ran_it(folders, tmp
 
 def test_a_first_run_probes_a_few_sizes_and_the_generations_fill_in_the_rest(folders, tmp_path, monkeypatch):
     from speccli.autok.costs import ROUNDS
-    from speccli.autok.store import refine
+    from speccli.calibration import refine
 
     calls: list[tuple[list[int], int]] = []
     probe = CostCurve({1: 0.1, 2: 0.12, 4: 0.14, 8: 0.2}, 0.01)

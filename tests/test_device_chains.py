@@ -204,7 +204,7 @@ def test_a_graphed_chain_drafts_what_the_loop_drafts_on_cuda(sampling):
 def test_fused_graphed_decoding_equals_the_unfused_targets_greedy_on_cuda(pairs, tokenizer):
     import copy
 
-    from speccli.models.fused import fuse_projections
+    from speccli.backends.fused import fuse_projections
 
     pair = pairs[0]
     target, draft = copy.deepcopy(pair.target).to("cuda"), copy.deepcopy(pair.draft).to("cuda")

@@ -47,7 +47,7 @@ def test_the_reason_is_said():
 
 
 def test_drafts_for_lists_models_heads_and_drafters(tmp_path):
-    from speccli.heads.store import default_heads_path
+    from speccli.models.offline import default_heads_path
 
     heads = default_heads_path(tmp_path, "llama3.1-70b", "eagle")
     heads.parent.mkdir(parents=True)

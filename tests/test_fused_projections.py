@@ -1,4 +1,4 @@
-"""q/k/v and gate/up fused into one product each (speccli.models.fused): the same logits as
+"""q/k/v and gate/up fused into one product each (speccli.backends.fused): the same logits as
 the model before (float32), the same greedy text through the decoder and both backends,
 through torch.compile too; quantized, unknown and already-fused layers left alone."""
 
@@ -15,7 +15,7 @@ from speccli.config import SamplingConfig, SpecConfig
 from speccli.drafters.model import ModelDrafter
 from speccli.loop import SpeculativeDecoder
 from speccli.models.int8 import quantize_int8
-from speccli.models.fused import FusedGatedMLP, ProjectionPart, StackedProjection, fuse_projections
+from speccli.backends.fused import FusedGatedMLP, ProjectionPart, StackedProjection, fuse_projections
 from speccli.models.loading import LoadedModel, fused_on_load
 from speccli.models.registry import ResolvedModel
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, encode, target_greedy
@@ -156,7 +156,7 @@ def test_a_fused_model_says_so():
 
 def test_an_eagle_head_starts_from_a_fused_targets_last_layer_as_from_the_unfused(model):
     from speccli.drafters.eagle_layer import EagleHead
-    from speccli.models.fused import unfused_state_dict
+    from speccli.backends.fused import unfused_state_dict
 
     before = copy.deepcopy(model)
     fuse_projections(model)

@@ -39,7 +39,7 @@ class CostCurve:
     """What specgen knows of this machine's costs: seconds of one target pass by number of
     tokens fed, and of one draft token (None when drafting costs no model pass).
 
-    Measured by `measure_costs` (a calibration), stored by speccli.autok.store, updated
+    Measured by `measure_costs` (a calibration), stored by speccli.calibration, updated
     online by the policies' StepCosts, and read between the sizes measured in one of three
     ways, each for its reader:
 

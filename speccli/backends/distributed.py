@@ -116,7 +116,7 @@ def _exit_code(failures: dict[int, Any]) -> int:
 
 
 def log_path(rank: int) -> Path:
-    from speccli.models.offline import default_cache_dir
+    from speccli.config import default_cache_dir
 
     return default_cache_dir() / "logs" / f"rank-{rank}.log"
 

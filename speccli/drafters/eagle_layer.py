@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speccli.models.fused import unfused_state_dict
+from speccli.backends.fused import unfused_state_dict
 
 
 def one_layer_config(target_config: Any) -> Any:

@@ -16,7 +16,8 @@ from speccli.heads.answers import ANSWER_TOKENS, Answer, make_answers, read_answ
 from speccli.heads.corpus import build_corpus
 from speccli.heads.features import extract
 from speccli.heads.instructions import requests
-from speccli.heads.store import default_heads_path, save_heads, slug, target_identity
+from speccli.heads.store import save_heads, target_identity
+from speccli.models.offline import default_heads_path, slug
 from speccli.heads.train import TrainConfig, Trainer, TrainProgress
 from speccli.models.loading import LoadedModel, cpu_has_fast_bf16, dtype_name
 

@@ -5,7 +5,6 @@ identity of the target it was trained for. A file is refused for any other targe
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,15 +51,6 @@ def identity_problem(saved: dict[str, Any], target: dict[str, Any]) -> str | Non
     if len(a) != len(b) or any(abs(x - y) > NORM_TOLERANCE * max(abs(x), abs(y), 1e-6) for x, y in zip(a, b)):
         return "its output weights differ"
     return None
-
-
-def slug(name: str) -> str:
-    """A folder name for a model name or path."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name.rstrip("/")).name or name).strip("_") or "target"
-
-
-def default_heads_path(cache_dir: Path, target_name: str, kind: str) -> Path:
-    return Path(cache_dir) / "heads" / slug(target_name) / f"{kind}.safetensors"
 
 
 @dataclass

@@ -154,7 +154,7 @@ def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
     """Every draft that can serve `target`: published heads registered for it, registered
     models sharing its tokenizer, heads trained here for it, and the drafters that need no
     model; the ones auto takes on the CPU and on CUDA marked."""
-    from speccli.heads.store import default_heads_path
+    from speccli.models.offline import default_heads_path
     from speccli.models import offline
 
     chosen, chosen_cuda = choose_draft(target).name, choose_draft(target, cuda=True).name

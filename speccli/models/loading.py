@@ -54,7 +54,7 @@ from speccli.config import QUANTS, LoadConfig
 from speccli.models import converted, offline
 from speccli.models.cpu import cpu_name, cpuinfo_field
 from speccli.models.errors import ModelLoadError
-from speccli.models.fused import fuse_projections
+from speccli.backends.fused import fuse_projections
 from speccli.models.int8 import int8_problem, quantize_int8
 from speccli.models.plan import ALTERNATIVES, MemoryNeed, cached_hub_config, check_fits, memory_need, meta_model
 from speccli.models.torchao_quant import TORCHAO_QUANTS, check_torchao_quant, torchao_config
@@ -116,7 +116,7 @@ class LoadedModel:
     quant: str  # "none", "4bit", "8bit", "int8", "int4", "fp8", "gguf→<dtype>", ...
     load_seconds: float
     # "onednn": float32 linear layers through oneDNN; "two-row": bf16 one-row products as two;
-    # "fused": q/k/v and gate/up as one product each (CUDA, dense weights: speccli.models.fused).
+    # "fused": q/k/v and gate/up as one product each (CUDA, dense weights: speccli.backends.fused).
     linear: str = "stock"
     # With "onednn": by weight shape ("8960x1536"), the rows below which PyTorch's own kernel
     # is the faster and takes them (only shapes where it is, for some).
@@ -965,7 +965,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
 
 
 def fused_on_load(model: Any, device: torch.device, quant: str, tp: int, *, writing: bool) -> bool:
-    """Fuse q/k/v and gate/up (speccli.models.fused) where it serves: on CUDA, dense weights,
+    """Fuse q/k/v and gate/up (speccli.backends.fused) where it serves: on CUDA, dense weights,
     one process. Not while this start's GGUF conversion is being written: its tensors are held
     until then, and the fused copies would double the weights' memory on the GPU meanwhile."""
     if device.type != "cuda" or quant != "none" or tp != 1 or writing:

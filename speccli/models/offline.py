@@ -16,12 +16,15 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from speccli.config import default_cache_dir  # where the cache is: decided below models/, named here too
 
 __all__ = [
     "OFFLINE_MODELS",
@@ -138,16 +141,14 @@ def get_offline_model(alias: str) -> OfflineModel:
         ) from None
 
 
-def default_cache_dir() -> Path:
-    """``$SPECGEN_CACHE``, else ``$XDG_CACHE_HOME/specgen``, else ``~/.cache/specgen``."""
-    env = os.environ.get("SPECGEN_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    # The XDG spec says relative values are invalid and must be ignored.
-    if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "specgen"
-    return Path.home() / ".cache" / "specgen"
+def slug(name: str) -> str:
+    """A folder name for a model name or path."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name.rstrip("/")).name or name).strip("_") or "target"
+
+
+def default_heads_path(cache_dir: Path, target_name: str, kind: str) -> Path:
+    """Where `specgen train` keeps a target's heads of one kind, and `--draft KIND` finds them."""
+    return Path(cache_dir) / "heads" / slug(target_name) / f"{kind}.safetensors"
 
 
 def install_hint(model: OfflineModel) -> str:
