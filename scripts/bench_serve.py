@@ -62,7 +62,10 @@ class Server:
         started = time.perf_counter()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "speccli.cli", "serve", *model_args, "--port", "0"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
         )
         self.url = None
         for raw in self.process.stderr:
@@ -103,11 +106,15 @@ def streamed(http: httpx.Client, url: str, model: str, prompt: str, max_new: int
     stats = figures["stats"]
     step = (stats["draft_seconds"] + stats["verify_seconds"]) / max(1, stats["steps"])
     return {
-        "text": "".join(text), "wall_s": wall, "engine_s": stats["total_seconds"],
+        "text": "".join(text),
+        "wall_s": wall,
+        "engine_s": stats["total_seconds"],
         "overhead_ms": 1000 * (wall - stats["total_seconds"]),
-        "first_chunk_s": first, "engine_first_token_s": stats["time_to_first_token_seconds"],
+        "first_chunk_s": first,
+        "engine_first_token_s": stats["time_to_first_token_seconds"],
         "first_chunk_lag_ms": None if first is None else 1000 * (first - stats["time_to_first_token_seconds"]),
-        "step_ms": 1000 * step, "new_tokens": stats["new_tokens"],
+        "step_ms": 1000 * step,
+        "new_tokens": stats["new_tokens"],
     }
 
 
@@ -121,8 +128,11 @@ def main() -> int:
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
 
-    model_args = [*(["--target", args.target] if args.target else []), *(["--draft", args.draft] if args.draft else []),
-                  *args.extra.split()]
+    model_args = [
+        *(["--target", args.target] if args.target else []),
+        *(["--draft", args.draft] if args.draft else []),
+        *args.extra.split(),
+    ]
     texts = prompts(args.requests)
     n = str(args.max_new_tokens)
     print(f"CPU: {cpu_name()}; {args.requests} requests of {n} tokens, greedy", file=sys.stderr)
@@ -143,8 +153,10 @@ def main() -> int:
             seconds, record = specgen("generate", "-n", n, "--json", "-q", "--server", server.url, "--", prompt)
             client.append({"wall_s": seconds, "engine_s": record["stats"]["total_seconds"], "text": record["text"]})
             http.append(streamed(http_client, server.url, model, prompt, args.max_new_tokens))
-            print(f"client {i + 1}/{len(texts)}: {seconds:.2f} s; http overhead {http[-1]['overhead_ms']:.1f} ms",
-                  file=sys.stderr)
+            print(
+                f"client {i + 1}/{len(texts)}: {seconds:.2f} s; http overhead {http[-1]['overhead_ms']:.1f} ms",
+                file=sys.stderr,
+            )
     finally:
         stopped = server.stop()
 
@@ -176,8 +188,11 @@ def main() -> int:
     }
     print(json.dumps(summary, indent=2))
     if args.json_out:
-        args.json_out.write_text(json.dumps({"summary": summary, "oneshot": oneshot, "client": client, "http": http},
-                                            indent=2, ensure_ascii=False))
+        args.json_out.write_text(
+            json.dumps(
+                {"summary": summary, "oneshot": oneshot, "client": client, "http": http}, indent=2, ensure_ascii=False
+            )
+        )
     return 0 if not mismatches else 1
 
 

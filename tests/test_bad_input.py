@@ -19,7 +19,15 @@ import pytest
 import typer
 
 from conftest import char_tokenizer, isolated_env, save_model_folder, tiny_llama
-from published_layouts import EAGLE3_SHAPES, dims, draft_ids_with_gaps, random_tensors, write_eagle3, write_medusa, medusa_tensors
+from published_layouts import (
+    EAGLE3_SHAPES,
+    dims,
+    draft_ids_with_gaps,
+    random_tensors,
+    write_eagle3,
+    write_medusa,
+    medusa_tensors,
+)
 from test_models_registry import write_tiny_gguf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,8 +44,13 @@ def files(tmp_path_factory) -> dict[str, str]:
     sizes = dims(target.config)
 
     shapes = {k: v for k, v in EAGLE3_SHAPES.items() if k not in ("d2t", "t2d")}
-    eagle3 = write_eagle3(root / "eagle3", target.config, random_tensors(shapes, {**sizes, "W": 40}, 5),
-                          draft_ids_with_gaps(target.config.vocab_size, 40), fmt="safetensors")
+    eagle3 = write_eagle3(
+        root / "eagle3",
+        target.config,
+        random_tensors(shapes, {**sizes, "W": 40}, 5),
+        draft_ids_with_gaps(target.config.vocab_size, 40),
+        fmt="safetensors",
+    )
     weights = eagle3 / "model.safetensors"
     truncated = root / "eagle3-truncated"
     truncated.mkdir()
@@ -52,7 +65,9 @@ def files(tmp_path_factory) -> dict[str, str]:
     eagle_header = root / "eagle-bad-header"
     eagle_header.mkdir()
     (eagle_header / "config.json").write_bytes((eagle3 / "config.json").read_bytes())
-    (eagle_header / "model.safetensors").write_bytes(b"\x20\x00\x00\x00\x00\x00\x00\x00" + b"{not a header" + bytes(100))
+    (eagle_header / "model.safetensors").write_bytes(
+        b"\x20\x00\x00\x00\x00\x00\x00\x00" + b"{not a header" + bytes(100)
+    )
     bad_json_model = root / "bad-json-model"
     save_model_folder(target, tokenizer, bad_json_model)
     (bad_json_model / "config.json").write_text("{not json")
@@ -64,18 +79,30 @@ def files(tmp_path_factory) -> dict[str, str]:
     gguf = root / "tiny.F32.gguf"
     write_tiny_gguf(gguf)
     return {
-        "target": str(folder), "eagle3_truncated": str(truncated), "eagle3_random": str(random_bytes),
-        "medusa_random": str(medusa), "eagle_bad_header": str(eagle_header), "bad_json_model": str(bad_json_model),
-        "prompts": str(prompts), "empty": str(root / "empty.txt"), "bad_jsonl": str(root / "bad.jsonl"),
-        "missing": str(root / "nothing-here"), "gguf": str(gguf),
+        "target": str(folder),
+        "eagle3_truncated": str(truncated),
+        "eagle3_random": str(random_bytes),
+        "medusa_random": str(medusa),
+        "eagle_bad_header": str(eagle_header),
+        "bad_json_model": str(bad_json_model),
+        "prompts": str(prompts),
+        "empty": str(root / "empty.txt"),
+        "bad_jsonl": str(root / "bad.jsonl"),
+        "missing": str(root / "nothing-here"),
+        "gguf": str(gguf),
     }
 
 
 def specgen(args: list[str], home: Path, stdout_closed: bool = False) -> subprocess.CompletedProcess:
     """The real entry point in a new process; `stdout_closed`: started with standard output closed (`>&-`)."""
     return subprocess.run(
-        [sys.executable, "-m", "speccli.cli", *args], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        stdout=None if stdout_closed else subprocess.PIPE, cwd=REPO, env=isolated_env(home), timeout=300,
+        [sys.executable, "-m", "speccli.cli", *args],
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        stdout=None if stdout_closed else subprocess.PIPE,
+        cwd=REPO,
+        env=isolated_env(home),
+        timeout=300,
         preexec_fn=(lambda: os.close(1)) if stdout_closed else None,
     )
 
@@ -115,13 +142,26 @@ CASES = [
     (["serve", *TINY, "--max-queue", "-1"], EXIT_USAGE, "Invalid value for '--max-queue'"),
     # Splits that cannot work: refused before any process starts
     (["generate", "x", *TINY, "--tp", "3", "--quant", "none"], EXIT_USAGE, "hint: use --tp 2"),
-    (["generate", "x", *TINY, "--tp", "2", "--backend", "llama.cpp"], EXIT_USAGE, "the llama.cpp backend runs it whole"),
-    (["plan", "--target", "llama3-70b", "--tp", "3", "--quant", "none", "--gpu-memory", "80"], EXIT_USAGE,
-     "hint: use --tp 2 or 4 or 8"),
-    (["plan", "--target", "llama3-70b", "--tp", "1000", "--quant", "none", "--gpu-memory", "80"], EXIT_USAGE,
-     "cannot split llama3-70b"),
-    (["plan", "--target", "llama3-70b", "--tp", "4", "--quant", "4bit", "--gpu-memory", "80"], EXIT_USAGE,
-     "`generate --tp` refuses --quant 4bit"),
+    (
+        ["generate", "x", *TINY, "--tp", "2", "--backend", "llama.cpp"],
+        EXIT_USAGE,
+        "the llama.cpp backend runs it whole",
+    ),
+    (
+        ["plan", "--target", "llama3-70b", "--tp", "3", "--quant", "none", "--gpu-memory", "80"],
+        EXIT_USAGE,
+        "hint: use --tp 2 or 4 or 8",
+    ),
+    (
+        ["plan", "--target", "llama3-70b", "--tp", "1000", "--quant", "none", "--gpu-memory", "80"],
+        EXIT_USAGE,
+        "cannot split llama3-70b",
+    ),
+    (
+        ["plan", "--target", "llama3-70b", "--tp", "4", "--quant", "4bit", "--gpu-memory", "80"],
+        EXIT_USAGE,
+        "`generate --tp` refuses --quant 4bit",
+    ),
     # Empty strings
     (["generate", "x", "--target", "", "--device", "cpu"], EXIT_USAGE, "--target is empty"),
     (["generate", "x", *TINY, "--draft", " "], EXIT_USAGE, "--draft is empty"),
@@ -181,8 +221,23 @@ def test_a_closed_stdout_is_a_runtime_failure_said_in_one_line(files, tmp_path, 
 
 def test_a_failed_remove_removes_nothing(files, tmp_path):
     """`models --remove-converted ""` once removed every entry: a forgotten $NAME in a script."""
-    first = specgen(["generate", "x", "--target", files["gguf"], "--draft", "none", "--device", "cpu", "-n", "1",
-                     "--backend", "transformers"], tmp_path)
+    first = specgen(
+        [
+            "generate",
+            "x",
+            "--target",
+            files["gguf"],
+            "--draft",
+            "none",
+            "--device",
+            "cpu",
+            "-n",
+            "1",
+            "--backend",
+            "transformers",
+        ],
+        tmp_path,
+    )
     assert first.returncode == 0, first.stderr.decode()
     listed = specgen(["models", "--converted", "--json"], tmp_path)
     assert len(__import__("json").loads(listed.stdout)) == 1
@@ -193,8 +248,20 @@ def test_a_failed_remove_removes_nothing(files, tmp_path):
 
 @pytest.mark.parametrize("damage", ["same-size", "header", "config-json"])
 def test_a_damaged_converted_entry_is_converted_again_with_one_line(files, tmp_path, damage):
-    args = ["generate", "abc", "--target", files["gguf"], "--draft", "none", "--device", "cpu", "-n", "4",
-            "--backend", "transformers"]
+    args = [
+        "generate",
+        "abc",
+        "--target",
+        files["gguf"],
+        "--draft",
+        "none",
+        "--device",
+        "cpu",
+        "-n",
+        "4",
+        "--backend",
+        "transformers",
+    ]
     first = specgen(args, tmp_path)
     assert first.returncode == 0, first.stderr.decode()
     (entry,) = (tmp_path / "specgen-cache" / "converted").iterdir()
@@ -229,7 +296,12 @@ def numeric_options() -> list[tuple[str, str]]:
     for name, command in sorted(group.commands.items()):
         for param in command.params:
             kind = type(param.type).__name__
-            if param.param_type_name == "option" and kind in ("IntParamType", "FloatParamType", "IntRange", "FloatRange"):
+            if param.param_type_name == "option" and kind in (
+                "IntParamType",
+                "FloatParamType",
+                "IntRange",
+                "FloatRange",
+            ):
                 found.append((name, max(param.opts, key=len)))
     return found
 
@@ -271,10 +343,29 @@ def test_an_interrupted_generation_exits_130_with_one_word(tmp_path):
     endless = never_ends(tiny_llama(len(tokenizer), seed=1, logit_scale=20.0, max_positions=ENDLESS_CONTEXT))
     folder = save_model_folder(endless, tokenizer, tmp_path / "endless")
     process = subprocess.Popen(
-        [sys.executable, "-m", "speccli.cli", "generate", "go", "--target", str(folder), "--draft", "ngram",
-         "--device", "cpu", "-n", "100000", "-q"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-        env=isolated_env(tmp_path), bufsize=0, preexec_fn=default_sigint,
+        [
+            sys.executable,
+            "-m",
+            "speccli.cli",
+            "generate",
+            "go",
+            "--target",
+            str(folder),
+            "--draft",
+            "ngram",
+            "--device",
+            "cpu",
+            "-n",
+            "100000",
+            "-q",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=isolated_env(tmp_path),
+        bufsize=0,
+        preexec_fn=default_sigint,
     )
     first = read_first(process.stdout, 4)
     process.send_signal(signal.SIGINT)

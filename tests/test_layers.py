@@ -74,7 +74,7 @@ def test_no_modules_import_each_other_in_a_circle():
         state[module] = 1
         for target in sorted(graph.get(module, ())):
             if state.get(target) == 1:
-                circles.append(path[path.index(target):] + [target])
+                circles.append(path[path.index(target) :] + [target])
             elif target not in state:
                 visit(target, [*path, target])
         state[module] = 2

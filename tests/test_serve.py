@@ -46,8 +46,12 @@ class ServerProcess:
     def __init__(self, args: list[str], home: Path, **env: str) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "speccli.cli", "serve", *args, "--port", "0"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-            env=isolated_env(home, **env), preexec_fn=default_sigint,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
+            env=isolated_env(home, **env),
+            preexec_fn=default_sigint,
         )
         self.lines: list[str] = []
         self.url: str | None = None
@@ -119,8 +123,22 @@ def server(folders, tmp_path_factory):
 def endless_server(folders, tmp_path_factory):
     """A target whose answers never end by themselves (one character a token), one waiting place."""
     running = ServerProcess(
-        ["--target", folders["endless"], "--draft", "none", "--device", "cpu", "--dtype", "float32",
-         "--model-name", MODEL, "--max-queue", "1", "--host", "0.0.0.0"],
+        [
+            "--target",
+            folders["endless"],
+            "--draft",
+            "none",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--model-name",
+            MODEL,
+            "--max-queue",
+            "1",
+            "--host",
+            "0.0.0.0",
+        ],
         tmp_path_factory.mktemp("home"),
     )
     running.url = running.url.replace("0.0.0.0", "127.0.0.1")
@@ -135,7 +153,7 @@ def client(server, **kwargs) -> openai.OpenAI:
 def reference(folders, ids: list[int], max_new: int) -> str:
     tokenizer, model = folders["tokenizer"], folders["target_model"]
     out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False)
-    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
 
 
 def reference_text(folders, prompt: str, max_new: int) -> str:
@@ -149,15 +167,20 @@ def reference_chat(folders, messages: list[dict], max_new: int) -> str:
 
 def specgen(*args: str, home: Path, stdin: bytes = b"", **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "speccli.cli", *args], input=stdin, capture_output=True, cwd=REPO,
-        env=isolated_env(home, **env), timeout=300,
+        [sys.executable, "-m", "speccli.cli", *args],
+        input=stdin,
+        capture_output=True,
+        cwd=REPO,
+        env=isolated_env(home, **env),
+        timeout=300,
     )
 
 
 def post(server, path: str, body, headers: dict | None = None) -> httpx.Response:
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(server.base + path, content=content, headers={"Content-Type": "application/json", **(headers or {})},
-                      timeout=60)
+    return httpx.post(
+        server.base + path, content=content, headers={"Content-Type": "application/json", **(headers or {})}, timeout=60
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +203,12 @@ def test_a_text_completion_is_the_targets_greedy_text(server, folders):
 def test_a_streamed_chat_is_the_targets_greedy_answer(server, folders):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
     stream = client(server).chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True},
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -193,8 +221,12 @@ def test_a_streamed_chat_is_the_targets_greedy_answer(server, folders):
 
 
 def test_the_stream_ends_with_done(server):
-    with httpx.stream("POST", server.base + "/completions", timeout=60,
-                      json={"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        server.base + "/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0, "stream": True},
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
@@ -206,7 +238,9 @@ def test_a_chat_answer_whole_and_a_stop_string(server, folders):
     messages = [{"role": "user", "content": "Tell me."}]
     full = reference_chat(folders, messages, 30)
     stop = full[10:12]
-    answer = client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0, stop=[stop])
+    answer = client(server).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=30, temperature=0, stop=[stop]
+    )
     assert answer.choices[0].message.content == full[: full.index(stop)]
     assert answer.choices[0].finish_reason == "stop"
     assert answer.model_extra["specgen"]["finish_reason"] == "stop_string"
@@ -216,8 +250,11 @@ def test_a_second_turn_reuses_the_cached_prefix(server, folders):
     openai_client = client(server)
     first = [{"role": "user", "content": "One question, and a long one at that."}]
     answer = openai_client.chat.completions.create(model=MODEL, messages=first, max_tokens=8, temperature=0)
-    second = [*first, {"role": "assistant", "content": answer.choices[0].message.content},
-              {"role": "user", "content": "And another."}]
+    second = [
+        *first,
+        {"role": "assistant", "content": answer.choices[0].message.content},
+        {"role": "user", "content": "And another."},
+    ]
     again = openai_client.chat.completions.create(model=MODEL, messages=second, max_tokens=8, temperature=0)
     assert again.choices[0].message.content == reference_chat(folders, second, 8)
     assert again.usage.prompt_tokens_details.cached_tokens >= 30
@@ -225,9 +262,19 @@ def test_a_second_turn_reuses_the_cached_prefix(server, folders):
 
 def test_default_values_of_parameters_specgen_cannot_honour_pass(server, folders):
     answer = client(server).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=5, temperature=0, n=1,
-        presence_penalty=0, frequency_penalty=0, logprobs=False, response_format={"type": "text"}, user="me",
-        tool_choice="none", top_p=1, extra_body={"top_k": 0, "specgen": {"k": 2}},
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_completion_tokens=5,
+        temperature=0,
+        n=1,
+        presence_penalty=0,
+        frequency_penalty=0,
+        logprobs=False,
+        response_format={"type": "text"},
+        user="me",
+        tool_choice="none",
+        top_p=1,
+        extra_body={"top_k": 0, "specgen": {"k": 2}},
     )
     assert answer.choices[0].message.content == reference_chat(folders, [{"role": "user", "content": "x"}], 5)
     assert answer.model_extra["specgen"]["settings"]["k"] == 2
@@ -280,8 +327,19 @@ def test_generate_through_the_server_prints_exactly_what_generate_prints(server,
 
 
 def test_seeded_sampling_equals_generate_seed(server, folders, tmp_path):
-    local = specgen("generate", "seeded", "-n", "30", "--temperature", "1.0", "--seed", "3", *model_args(folders), "-q",
-                    home=tmp_path)
+    local = specgen(
+        "generate",
+        "seeded",
+        "-n",
+        "30",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "3",
+        *model_args(folders),
+        "-q",
+        home=tmp_path,
+    )
     answer = client(server).completions.create(model=MODEL, prompt="seeded", max_tokens=30, temperature=1.0, seed=3)
     assert local.returncode == 0
     assert answer.choices[0].text == local.stdout.decode()
@@ -289,8 +347,9 @@ def test_seeded_sampling_equals_generate_seed(server, folders, tmp_path):
 
 def test_generate_json_and_stats_through_the_server(server, folders, tmp_path):
     local = specgen("generate", "abc", "-n", "16", "--json", "--k", "3", *model_args(folders), "-q", home=tmp_path)
-    remote = specgen("generate", "abc", "-n", "16", "--json", "--k", "3", "--server", server.url, "--stats",
-                     home=tmp_path)
+    remote = specgen(
+        "generate", "abc", "-n", "16", "--json", "--k", "3", "--server", server.url, "--stats", home=tmp_path
+    )
     assert local.returncode == remote.returncode == 0, remote.stderr
     mine, theirs = json.loads(local.stdout), json.loads(remote.stdout)
     assert list(theirs) == list(mine)
@@ -337,16 +396,45 @@ BIG = 5 << 20
         ("/chat/completions", b"{not json", 400, None, "invalid_json"),
         ("/chat/completions", b"", 400, None, "invalid_json"),
         ("/chat/completions", b"[1, 2]", 400, None, "invalid_type"),
-        ("/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "model", "missing_required_parameter"),
-        ("/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404, "model",
-         "model_not_found"),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}]},
+            400,
+            "model",
+            "missing_required_parameter",
+        ),
+        (
+            "/chat/completions",
+            {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
+            404,
+            "model",
+            "model_not_found",
+        ),
         ("/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "invalid_value"),
-        ("/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400,
-         "messages.[0].role", "invalid_type"),
-        ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url",
-         "image_url": {"url": "x"}}]}]}, 400, "messages.[0].content.[0]", "unsupported_parameter"),
-        ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400,
-         "messages.[0].content", "invalid_type"),
+        (
+            "/chat/completions",
+            {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
+            400,
+            "messages.[0].role",
+            "invalid_type",
+        ),
+        (
+            "/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
+            400,
+            "messages.[0].content.[0]",
+            "unsupported_parameter",
+        ),
+        (
+            "/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+            400,
+            "messages.[0].content",
+            "invalid_type",
+        ),
         ("/completions", {"model": MODEL, "prompt": "x", "temperature": "0.5"}, 400, "temperature", "invalid_type"),
         ("/completions", {"model": MODEL, "prompt": "x", "temperature": 2.5}, 400, "temperature", "invalid_value"),
         ("/completions", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, "temperature", "invalid_value"),
@@ -357,31 +445,86 @@ BIG = 5 << 20
         ("/completions", {"model": MODEL, "prompt": "x", "seed": "7"}, 400, "seed", "invalid_type"),
         ("/completions", {"model": MODEL, "prompt": "x", "seed": 1 << 64}, 400, "seed", "invalid_value"),
         ("/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "unsupported_value"),
-        ("/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty",
-         "unsupported_value"),
-        ("/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty",
-         "unsupported_value"),
+        (
+            "/completions",
+            {"model": MODEL, "prompt": "x", "presence_penalty": 0.5},
+            400,
+            "presence_penalty",
+            "unsupported_value",
+        ),
+        (
+            "/completions",
+            {"model": MODEL, "prompt": "x", "frequency_penalty": -1},
+            400,
+            "frequency_penalty",
+            "unsupported_value",
+        ),
         ("/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_value"),
         ("/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo", "unsupported_value"),
-        ("/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_value"),
-        ("/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
-         "stream_options", "invalid_value"),
+        (
+            "/completions",
+            {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}},
+            400,
+            "logit_bias",
+            "unsupported_value",
+        ),
+        (
+            "/completions",
+            {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+            "invalid_value",
+        ),
         ("/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "unsupported_value"),
         ("/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", "invalid_value"),
         ("/completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "invalid_value"),
         ("/completions", {"model": MODEL, "prompt": "x" * 5000}, 400, "prompt", "context_length_exceeded"),
-        ("/completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+        (
+            "/completions",
+            {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]},
+            400,
+            "stop",
+            "invalid_value",
+        ),
         ("/completions", {"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop", "invalid_value"),
         ("/completions", {"model": MODEL, "prompt": "x", "specgen": {"k": 0}}, 400, "specgen.k", "invalid_value"),
         ("/completions", {"model": MODEL, "prompt": "x", "foo": 1}, 400, "foo", "unknown_parameter"),
-        ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400,
-         "logprobs", "unsupported_value"),
-        ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-         "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "unsupported_parameter"),
-        ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-         "response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_value"),
-        ("/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * BIG + b'"}]}', 413,
-         None, "request_too_large"),
+        (
+            "/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            400,
+            "logprobs",
+            "unsupported_value",
+        ),
+        (
+            "/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            400,
+            "tools",
+            "unsupported_parameter",
+        ),
+        (
+            "/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "response_format",
+            "unsupported_value",
+        ),
+        (
+            "/chat/completions",
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * BIG + b'"}]}',
+            413,
+            None,
+            "request_too_large",
+        ),
     ],
 )
 def test_bad_requests_get_their_status_and_an_error_object(server, path, body, status, param, code):
@@ -423,7 +566,10 @@ def test_a_port_in_use_is_refused_before_loading(server, folders, tmp_path):
     port = server.url.rsplit(":", 1)[1]
     result = subprocess.run(
         [sys.executable, "-m", "speccli.cli", "serve", *model_args(folders), "--port", port],
-        capture_output=True, cwd=REPO, env=isolated_env(tmp_path), timeout=120,
+        capture_output=True,
+        cwd=REPO,
+        env=isolated_env(tmp_path),
+        timeout=120,
     )
     assert result.returncode == 2
     stderr = result.stderr.decode()
@@ -443,8 +589,12 @@ def wait_for(condition, seconds: float = 30) -> None:
 
 def test_a_dropped_stream_ends_its_generation_and_the_next_is_answered(endless_server):
     before = endless_server.health()["requests"]
-    with httpx.stream("POST", endless_server.base + "/completions", timeout=60,
-                      json={"model": MODEL, "prompt": "go", "max_tokens": 100000, "temperature": 0, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        endless_server.base + "/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "go", "max_tokens": 100000, "temperature": 0, "stream": True},
+    ) as r:
         seen = 0
         for line in r.iter_lines():
             seen += line.startswith("data: ")
@@ -462,23 +612,37 @@ def test_a_dropped_stream_ends_its_generation_and_the_next_is_answered(endless_s
 def test_a_client_that_gives_up_on_a_whole_answer_stops_its_generation(endless_server):
     before = endless_server.health()["requests"]
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(endless_server.base + "/completions", timeout=httpx.Timeout(60, read=1.0),
-                   json={"model": MODEL, "prompt": "go", "max_tokens": 100000, "temperature": 0})
+        httpx.post(
+            endless_server.base + "/completions",
+            timeout=httpx.Timeout(60, read=1.0),
+            json={"model": MODEL, "prompt": "go", "max_tokens": 100000, "temperature": 0},
+        )
     wait_for(lambda: endless_server.health()["requests"]["cancelled"] == before["cancelled"] + 1)
     assert not endless_server.health()["generating"]
     assert endless_server.health()["requests"]["tokens"] - before["tokens"] < 50000
 
 
 def test_past_max_queue_a_request_gets_503_with_retry_after(endless_server):
-    running = httpx.stream("POST", endless_server.base + "/completions", timeout=60,
-                           json={"model": MODEL, "prompt": "long", "max_tokens": 100000, "temperature": 0, "stream": True})
+    running = httpx.stream(
+        "POST",
+        endless_server.base + "/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "long", "max_tokens": 100000, "temperature": 0, "stream": True},
+    )
     response = running.__enter__()
     try:
         lines = response.iter_lines()  # kept: a line iterator that is dropped closes the connection
         next(lines)
         waiting: dict = {}
-        queued = threading.Thread(target=lambda: waiting.update(answer=post(
-            endless_server, "/completions", {"model": MODEL, "prompt": "queued", "max_tokens": 3, "temperature": 0})))
+        queued = threading.Thread(
+            target=lambda: waiting.update(
+                answer=post(
+                    endless_server,
+                    "/completions",
+                    {"model": MODEL, "prompt": "queued", "max_tokens": 3, "temperature": 0},
+                )
+            )
+        )
         queued.start()
         wait_for(lambda: endless_server.health()["waiting"] == 1)
         refused = post(endless_server, "/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3})
@@ -496,8 +660,9 @@ def test_a_non_loopback_address_without_a_key_is_warned_about(endless_server):
 
 
 def test_an_api_key_is_asked_for_on_v1_only(folders, tmp_path):
-    running = ServerProcess([*model_args(folders), "--model-name", MODEL, "--draft", "ngram"], tmp_path,
-                            SPECGEN_API_KEY="s3cret")
+    running = ServerProcess(
+        [*model_args(folders), "--model-name", MODEL, "--draft", "ngram"], tmp_path, SPECGEN_API_KEY="s3cret"
+    )
     try:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
@@ -517,10 +682,27 @@ def test_an_api_key_is_asked_for_on_v1_only(folders, tmp_path):
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_signal_ends_the_running_generation_and_exits_cleanly(folders, tmp_path, stop):
-    running = ServerProcess(["--target", folders["endless"], "--draft", "none", "--device", "cpu", "--dtype", "float32",
-                             "--model-name", MODEL], tmp_path)
-    with httpx.stream("POST", running.base + "/completions", timeout=60,
-                      json={"model": MODEL, "prompt": "go", "max_tokens": 100000, "temperature": 0, "stream": True}) as r:
+    running = ServerProcess(
+        [
+            "--target",
+            folders["endless"],
+            "--draft",
+            "none",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--model-name",
+            MODEL,
+        ],
+        tmp_path,
+    )
+    with httpx.stream(
+        "POST",
+        running.base + "/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "go", "max_tokens": 100000, "temperature": 0, "stream": True},
+    ) as r:
         lines = r.iter_lines()
         next(lines)
         running.process.send_signal(stop)
@@ -538,8 +720,13 @@ def test_ctrl_c_on_generate_server_stops_the_servers_generation(endless_server, 
     before = endless_server.health()["requests"]["cancelled"]
     process = subprocess.Popen(
         [sys.executable, "-m", "speccli.cli", "generate", "hello", "-n", "100000", "--server", endless_server.url],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-        env=isolated_env(tmp_path), bufsize=0, preexec_fn=default_sigint,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=isolated_env(tmp_path),
+        bufsize=0,
+        preexec_fn=default_sigint,
     )
     first = read_first(process.stdout, 8)
     process.send_signal(signal.SIGINT)

@@ -21,9 +21,20 @@ ERROR = re.compile(r"^(speccli/[^:]+):\d+: error:")
 
 def type_errors() -> Counter[str]:
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "speccli", "--no-error-summary", "--no-color-output", "--cache-dir",
-         str(REPO / ".mypy_cache")],
-        capture_output=True, text=True, cwd=REPO, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "speccli",
+            "--no-error-summary",
+            "--no-color-output",
+            "--cache-dir",
+            str(REPO / ".mypy_cache"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
     )
     if result.returncode not in (0, 1) or "error: " in result.stderr:
         raise AssertionError(f"mypy did not run: {result.stderr or result.stdout}")
@@ -34,8 +45,11 @@ def type_errors() -> Counter[str]:
 def test_no_module_has_more_type_errors_than_its_baseline():
     allowed = json.loads(BASELINE.read_text())
     found = type_errors()
-    worse = {path: f"{count} (baseline {allowed.get(path, 0)})" for path, count in found.items()
-             if count > allowed.get(path, 0)}
+    worse = {
+        path: f"{count} (baseline {allowed.get(path, 0)})"
+        for path, count in found.items()
+        if count > allowed.get(path, 0)
+    }
     assert not worse, f"type errors past the baseline (run mypy speccli): {worse}"
 
 

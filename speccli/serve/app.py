@@ -79,8 +79,9 @@ def validation_error(error: ValidationError) -> APIError:
             parts.append(part)
     param = ".".join(parts) or None
     if kind in ("json_invalid", "json_type"):
-        return invalid(None, "We could not parse the JSON body of your request: it must be one JSON object.",
-                       "invalid_json")
+        return invalid(
+            None, "We could not parse the JSON body of your request: it must be one JSON object.", "invalid_json"
+        )
     if param is None:
         return invalid(None, "The request body must be a JSON object.", "invalid_type")
     if kind == "extra_forbidden":
@@ -108,8 +109,9 @@ class BodyLimit:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
-        too_large = error_response(APIError(413, f"The request body is larger than {self.limit} bytes.",
-                                            code="request_too_large"))
+        too_large = error_response(
+            APIError(413, f"The request body is larger than {self.limit} bytes.", code="request_too_large")
+        )
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             await too_large(scope, receive, send)
@@ -154,7 +156,9 @@ class KeyCheck:
         given = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = given.partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-            message = "Incorrect API key provided." if given else "You didn't provide an API key (Authorization: Bearer KEY)."
+            message = (
+                "Incorrect API key provided." if given else "You didn't provide an API key (Authorization: Bearer KEY)."
+            )
             await error_response(APIError(401, message, code="invalid_api_key"))(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -167,7 +171,9 @@ class ClientGone(Exception):
 class Endpoints:
     """The routes' handlers over one served pair."""
 
-    def __init__(self, served: Served, service: GenerationService, defaults: SpecConfig, log: Callable[[str], None]) -> None:
+    def __init__(
+        self, served: Served, service: GenerationService, defaults: SpecConfig, log: Callable[[str], None]
+    ) -> None:
         self.served = served
         self.defaults = defaults
         self.service = service
@@ -176,14 +182,16 @@ class Endpoints:
         self.vocab_size = len(served.pipeline.tokenizer)
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({
-            "status": "stopping" if self.service.stopping else "ok",
-            "model": self.served.name,
-            "generating": self.service.busy,
-            "waiting": self.service.waiting,
-            "max_queue": self.service.max_queue,
-            "requests": self.service.counts.as_dict(),
-        })
+        return JSONResponse(
+            {
+                "status": "stopping" if self.service.stopping else "ok",
+                "model": self.served.name,
+                "generating": self.service.busy,
+                "waiting": self.service.waiting,
+                "max_queue": self.service.max_queue,
+                "requests": self.service.counts.as_dict(),
+            }
+        )
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(ModelList(data=[self.served.model_card()]).model_dump())
@@ -195,8 +203,12 @@ class Endpoints:
         return JSONResponse(self.served.model_card().model_dump())
 
     def _unknown_model(self, name: str) -> APIError:
-        return APIError(404, f"The model '{name}' does not exist: this server serves '{self.served.name}'.",
-                        param="model", code="model_not_found")
+        return APIError(
+            404,
+            f"The model '{name}' does not exist: this server serves '{self.served.name}'.",
+            param="model",
+            code="model_not_found",
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -220,9 +232,12 @@ class Endpoints:
         try:
             ids = await run_in_threadpool(self.encoder.encode, prompt)
         except ContextOverflowError as error:
-            raise invalid("messages" if chat else "prompt",
-                          f"This model's maximum context length is {error.context} tokens, and the prompt is"
-                          f" {error.prompt_tokens} tokens long.", "context_length_exceeded") from None
+            raise invalid(
+                "messages" if chat else "prompt",
+                f"This model's maximum context length is {error.context} tokens, and the prompt is"
+                f" {error.prompt_tokens} tokens long.",
+                "context_length_exceeded",
+            ) from None
         except PromptError as error:
             raise invalid("messages" if chat else "prompt", str(error), "invalid_prompt") from None
         try:
@@ -244,9 +259,14 @@ class Endpoints:
         try:
             self.service.submit(job)
         except QueueFull as full:
-            raise APIError(503, f"The server is busy: {full.waiting} requests are waiting (one generation runs at a"
-                           " time). Retry later.", type="server_error", code="server_busy",
-                           headers={"Retry-After": str(full.retry_after)}) from None
+            raise APIError(
+                503,
+                f"The server is busy: {full.waiting} requests are waiting (one generation runs at a"
+                " time). Retry later.",
+                type="server_error",
+                code="server_busy",
+                headers={"Retry-After": str(full.retry_after)},
+            ) from None
         except ShuttingDown:
             raise self._stopping() from None
         reply = Reply(chat, self.served.name)
@@ -289,8 +309,16 @@ class Endpoints:
 
         return asyncio.ensure_future(until_gone())
 
-    async def _whole(self, job: Job, updates: asyncio.Queue[Update], reply: Reply, body, prompt_tokens: int,
-                     gone: asyncio.Future, label: str) -> Response:
+    async def _whole(
+        self,
+        job: Job,
+        updates: asyncio.Queue[Update],
+        reply: Reply,
+        body,
+        prompt_tokens: int,
+        gone: asyncio.Future,
+        label: str,
+    ) -> Response:
         try:
             while True:
                 update = await self._next(updates, gone)
@@ -312,8 +340,9 @@ class Endpoints:
         specgen = figures(self.served, generation, job.sampling, job.spec, body.specgen.tokens)
         return JSONResponse(reply.whole(generation, usage(prompt_tokens, generation), specgen))
 
-    async def _stream(self, job: Job, updates: asyncio.Queue[Update], reply: Reply, body, prompt_tokens: int,
-                      label: str):
+    async def _stream(
+        self, job: Job, updates: asyncio.Queue[Update], reply: Reply, body, prompt_tokens: int, label: str
+    ):
         with_tokens = body.specgen.tokens
         ended = False
         try:
@@ -352,8 +381,10 @@ class Endpoints:
         rate = stats.acceptance_rate
         acceptance = "" if rate is None else f", acceptance {100 * rate:.0f}%"
         speed = "" if stats.tokens_per_second is None else f", {stats.tokens_per_second:.1f} tok/s"
-        self.log(f"{label}: {stats.new_tokens} tokens in {update.seconds:.2f} s{speed}{acceptance},"
-                 f" finished by {update.generation.finish_reason}")
+        self.log(
+            f"{label}: {stats.new_tokens} tokens in {update.seconds:.2f} s{speed}{acceptance},"
+            f" finished by {update.generation.finish_reason}"
+        )
 
 
 def _data(payload: dict) -> str:
@@ -378,9 +409,11 @@ def create_app(
     async def http_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-        message = {404: f"No route {request.url.path}: see GET /v1/models, POST /v1/chat/completions,"
-                        " POST /v1/completions, GET /health.",
-                   405: f"{request.method} is not allowed on {request.url.path}."}.get(error.status_code, str(error.detail))
+        message = {
+            404: f"No route {request.url.path}: see GET /v1/models, POST /v1/chat/completions,"
+            " POST /v1/completions, GET /health.",
+            405: f"{request.method} is not allowed on {request.url.path}.",
+        }.get(error.status_code, str(error.detail))
         return error_response(APIError(error.status_code, message, code=code))
 
     async def internal_error(request: Request, error: Exception) -> Response:

@@ -28,7 +28,9 @@ def api_base(server: str) -> str:
     """The API's base URL from what the user gave: `host:port`, `http://host:port` or `.../v1`."""
     url = server.strip().rstrip("/")
     if not url:
-        raise UsageError("--server is empty", f"give the server's address, e.g. http://127.0.0.1:8000 (or unset {SERVER_ENV})")
+        raise UsageError(
+            "--server is empty", f"give the server's address, e.g. http://127.0.0.1:8000 (or unset {SERVER_ENV})"
+        )
     if "://" not in url:
         url = "http://" + url
     if not url.startswith(("http://", "https://")):
@@ -108,8 +110,9 @@ class ServerClient:
         try:
             return response.json()["data"][0]["id"]
         except (ValueError, KeyError, IndexError, TypeError):
-            raise RuntimeFailure(f"{self.base} did not answer GET /models as an OpenAI server does",
-                                 "is it specgen serve?") from None
+            raise RuntimeFailure(
+                f"{self.base} did not answer GET /models as an OpenAI server does", "is it specgen serve?"
+            ) from None
 
     def generate(self, request: RemoteRequest, model: str) -> RemoteGeneration:
         path = "/chat/completions" if request.chat else "/completions"
@@ -133,8 +136,9 @@ class ServerClient:
 
         waited = 0.0
         while True:
-            request = self._http.build_request("POST", self.base + path, json=body,
-                                               headers={"Accept": "text/event-stream"})
+            request = self._http.build_request(
+                "POST", self.base + path, json=body, headers={"Accept": "text/event-stream"}
+            )
             response = self._call(lambda: self._http.send(request, stream=True))
             if response.status_code == 503 and waited < BUSY_PATIENCE_SECONDS:
                 content = response.read()
@@ -156,8 +160,7 @@ class ServerClient:
                 chunk = json.loads(event.data)
                 if "error" in chunk:
                     error = chunk["error"]
-                    raise RuntimeFailure(f"the server ended the answer: {error.get('message')}",
-                                         "see the server's log")
+                    raise RuntimeFailure(f"the server ended the answer: {error.get('message')}", "see the server's log")
                 remote.tokens.extend(chunk.get("specgen", {}).get("tokens", []))
                 for choice in chunk.get("choices", []):
                     piece = choice["delta"].get("content") if "delta" in choice else choice.get("text")
@@ -172,10 +175,13 @@ class ServerClient:
     def _refused(self, status: int, content: bytes) -> None:
         message = _error_message(content) or f"HTTP {status}"
         if status == 401:
-            raise UsageError(f"the server refused the key: {message}", f"give the server's key: --api-key or {API_KEY_ENV}")
+            raise UsageError(
+                f"the server refused the key: {message}", f"give the server's key: --api-key or {API_KEY_ENV}"
+            )
         if status == 404:
-            raise UsageError(f"the server refused the request: {message}",
-                             "leave --target out to use the model it serves")
+            raise UsageError(
+                f"the server refused the request: {message}", "leave --target out to use the model it serves"
+            )
         if 400 <= status < 500:
             raise UsageError(f"the server refused the request: {message}")
         raise RuntimeFailure(f"the server failed (HTTP {status}): {message}", "see the server's log")

@@ -44,9 +44,15 @@ class Served:
 
     def model_card(self) -> ModelCard:
         info = self.pipeline.model_info()
-        return ModelCard(id=self.name, created=self.created, specgen={
-            **info, "models": models_line(self.pipeline), "context": self.speculator.target.max_length,
-        })
+        return ModelCard(
+            id=self.name,
+            created=self.created,
+            specgen={
+                **info,
+                "models": models_line(self.pipeline),
+                "context": self.speculator.target.max_length,
+            },
+        )
 
 
 def usage(prompt_tokens: int, generation: Generation) -> dict:
@@ -118,20 +124,29 @@ class Reply:
         if self.chat:
             choice = ChatChoice(message=AssistantMessage(content=generation.text), finish_reason=finish)
             answer: ChatCompletion | TextCompletion = ChatCompletion(
-                **self._head(), choices=[choice], usage=Usage(**usage_), specgen=specgen)
+                **self._head(), choices=[choice], usage=Usage(**usage_), specgen=specgen
+            )
         else:
-            answer = TextCompletion(**self._head(), choices=[TextChoice(text=generation.text, finish_reason=finish)],
-                                    usage=Usage(**usage_), specgen=specgen)
+            answer = TextCompletion(
+                **self._head(),
+                choices=[TextChoice(text=generation.text, finish_reason=finish)],
+                usage=Usage(**usage_),
+                specgen=specgen,
+            )
         return answer.model_dump()
 
-    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False, specgen: dict | None = None) -> dict:
+    def _chunk(
+        self, text: str | None, finish: str | None = None, role: bool = False, specgen: dict | None = None
+    ) -> dict:
         if self.chat:
             delta = Delta(role="assistant" if role else None, content=text)
             chunk: ChatCompletionChunk | TextCompletion = ChatCompletionChunk(
-                **self._head(), choices=[ChunkChoice(delta=delta, finish_reason=finish)], specgen=specgen)
+                **self._head(), choices=[ChunkChoice(delta=delta, finish_reason=finish)], specgen=specgen
+            )
         else:
-            chunk = TextCompletion(**self._head(), choices=[TextChoice(text=text or "", finish_reason=finish)],
-                                   specgen=specgen)
+            chunk = TextCompletion(
+                **self._head(), choices=[TextChoice(text=text or "", finish_reason=finish)], specgen=specgen
+            )
         payload = _without_null_specgen(chunk.model_dump())
         for choice in payload["choices"]:
             if "delta" in choice:  # as OpenAI's: a delta holds only what it changes

@@ -94,7 +94,9 @@ class ChatMessage(_Strict):
 
     def as_message(self, index: int) -> Message:
         if self.tool_calls:
-            raise invalid(f"messages.[{index}].tool_calls", "tool calls are not supported by specgen", "unsupported_parameter")
+            raise invalid(
+                f"messages.[{index}].tool_calls", "tool calls are not supported by specgen", "unsupported_parameter"
+            )
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": self._text(index)}
 
@@ -140,14 +142,22 @@ class _GenerationRequest(_Strict):
     def unsupported(self) -> APIError | None:
         """The first argument asking for something specgen cannot honour exactly."""
         if self.n not in (None, 1):
-            return invalid("n", "specgen generates one answer per request (batch size 1): n must be 1", "unsupported_value")
+            return invalid(
+                "n", "specgen generates one answer per request (batch size 1): n must be 1", "unsupported_value"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
-                return invalid(name, f"{name} changes the target's distribution, which specgen keeps exact: it must be 0",
-                               "unsupported_value")
+                return invalid(
+                    name,
+                    f"{name} changes the target's distribution, which specgen keeps exact: it must be 0",
+                    "unsupported_value",
+                )
         if self.logit_bias:
-            return invalid("logit_bias", "logit_bias changes the target's distribution, which specgen keeps exact",
-                           "unsupported_value")
+            return invalid(
+                "logit_bias",
+                "logit_bias changes the target's distribution, which specgen keeps exact",
+                "unsupported_value",
+            )
         if self.stream_options is not None and not self.stream:
             return invalid("stream_options", "stream_options is only allowed with stream: true")
         return None
@@ -167,7 +177,9 @@ class _GenerationRequest(_Strict):
     def requested_tokens(self) -> int | None:
         return self.max_tokens
 
-    def spec(self, prompt_tokens: int, context: int | None, defaults: SpecConfig, default_max_tokens: int | None) -> SpecConfig:
+    def spec(
+        self, prompt_tokens: int, context: int | None, defaults: SpecConfig, default_max_tokens: int | None
+    ) -> SpecConfig:
         """The generation's settings: the server's `defaults` (k, tree) where the request's
         `specgen` object says nothing; without a token limit, the answer may fill the context."""
         max_new = self.requested_tokens() or default_max_tokens
@@ -175,7 +187,10 @@ class _GenerationRequest(_Strict):
             max_new = max(1, context - prompt_tokens) if context is not None else 1 << 20
         tree = defaults.tree if self.specgen.tree is None else self.specgen.tree
         return SpecConfig(
-            k=self.specgen.draft_length(defaults.k), max_new_tokens=max_new, stop_strings=self.stop_strings(), tree=tree,
+            k=self.specgen.draft_length(defaults.k),
+            max_new_tokens=max_new,
+            stop_strings=self.stop_strings(),
+            tree=tree,
         )
 
     @property
@@ -209,7 +224,9 @@ class ChatCompletionRequest(_GenerationRequest):
             if getattr(self, name) not in (None, "none", "auto"):
                 return invalid(name, f"{name} needs tools, which specgen does not support", "unsupported_value")
         if self.response_format is not None and self.response_format.get("type") != "text":
-            return invalid("response_format", "only the text response format is supported by specgen", "unsupported_value")
+            return invalid(
+                "response_format", "only the text response format is supported by specgen", "unsupported_value"
+            )
         return None
 
     def requested_tokens(self) -> int | None:
@@ -235,7 +252,9 @@ class CompletionRequest(_GenerationRequest):
         if self.suffix:
             return invalid("suffix", "suffix (insertion) is not supported by specgen", "unsupported_value")
         if self.best_of not in (None, 1):
-            return invalid("best_of", "specgen generates one answer per request: best_of must be 1", "unsupported_value")
+            return invalid(
+                "best_of", "specgen generates one answer per request: best_of must be 1", "unsupported_value"
+            )
         if self.logprobs:
             return invalid("logprobs", "logprobs are not supported by specgen", "unsupported_value")
         return None

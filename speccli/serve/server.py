@@ -32,7 +32,9 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as error:
-        raise UsageError(f"cannot resolve --host {host!r}: {error.strerror}", "use an address such as 127.0.0.1") from None
+        raise UsageError(
+            f"cannot resolve --host {host!r}: {error.strerror}", "use an address such as 127.0.0.1"
+        ) from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -63,7 +65,11 @@ def run(app, sock: socket.socket, on_stop: Callable[[], None]) -> None:
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_SECONDS,
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=GRACEFUL_SECONDS,
         loop="asyncio",
     )
     # uvicorn raises the signal it caught again once it has stopped, to the handler that was
