@@ -11,7 +11,7 @@ from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.drafters.model import ModelDrafter
 from speccli.events import StepEvent, TokenEvent
 from speccli.loop import SpeculativeDecoder
-from speccli.models import loading
+from speccli.models import choices, loading
 from speccli.models.errors import ModelLoadError
 from speccli.models.int8 import int8_problem, quantize_int8
 from speccli.models.loading import choose_quant, load_model
@@ -60,7 +60,7 @@ def test_int8_is_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(ModelLoadError, match="runs on the CPU only") as info:
         choose_quant("int8", CUDA0)
     assert "4bit or 8bit" in info.value.hint
-    monkeypatch.setattr(loading, "int8_problem", lambda: "no quantized engine")
+    monkeypatch.setattr(choices, "int8_problem", lambda: "no quantized engine")
     with pytest.raises(ModelLoadError, match="--quant int8 is not available: no quantized engine"):
         choose_quant("int8", CPU)
     assert choose_quant("auto", CPU, draft=True) == "none"  # auto falls back quietly

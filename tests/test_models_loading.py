@@ -20,7 +20,7 @@ from speccli.drafters.model import ModelDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.events import StepEvent, TokenEvent
 from speccli.loop import SpeculativeDecoder
-from speccli.models import loading, offline
+from speccli.models import choices, loading, offline
 from speccli.models.errors import ModelLoadError
 from speccli.models.loading import (
     LoadedModel,
@@ -106,9 +106,9 @@ def test_choose_dtype_explicit():
 
 
 def test_choose_dtype_auto_on_cpu_follows_bf16_support(monkeypatch):
-    monkeypatch.setattr(loading, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(choices, "cpu_has_fast_bf16", lambda: True)
     assert choose_dtype("auto", CPU) is torch.bfloat16
-    monkeypatch.setattr(loading, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(choices, "cpu_has_fast_bf16", lambda: False)
     assert choose_dtype("auto", CPU) is torch.float32
     assert choose_dtype("auto", CPU, "4bit") is torch.float32
 
@@ -116,13 +116,13 @@ def test_choose_dtype_auto_on_cpu_follows_bf16_support(monkeypatch):
 def test_cpu_bf16_detection(monkeypatch):
     probe = loading.cpu_has_fast_bf16.__wrapped__
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(loading, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(choices, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert probe() is True
-    monkeypatch.setattr(loading, "_cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
+    monkeypatch.setattr(choices, "_cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
     assert probe() is True
-    monkeypatch.setattr(loading, "_cpu_flags", lambda: {"avx512f", "avx2"})
+    monkeypatch.setattr(choices, "_cpu_flags", lambda: {"avx512f", "avx2"})
     assert probe() is False
-    monkeypatch.setattr(loading, "_cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr(choices, "_cpu_flags", lambda: {"avx512_bf16"})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # e.g. ATEN_CPU_CAPABILITY=avx2
     assert probe() is False
 
@@ -155,7 +155,7 @@ def test_choose_quant():
 
 
 def test_choose_quant_without_bitsandbytes(monkeypatch):
-    monkeypatch.setattr(loading, "_bitsandbytes_problem", lambda: "ImportError: no module named bitsandbytes")
+    monkeypatch.setattr(choices, "bitsandbytes_problem", lambda: "ImportError: no module named bitsandbytes")
     assert choose_quant("auto", CUDA0) == "none"  # auto falls back
     with pytest.raises(ModelLoadError) as info:
         choose_quant("4bit", CPU)
@@ -192,7 +192,7 @@ def test_load_local_folder(folder, tok, cache, dtype):
 
 
 def test_load_auto_dtype_on_cpu(folder, cache, monkeypatch):
-    monkeypatch.setattr(loading, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(choices, "cpu_has_fast_bf16", lambda: False)
     loaded = load_model(str(folder), LoadConfig(device="cpu"), cache_dir=cache)
     assert (loaded.dtype, loaded.quant) == (torch.float32, "none")
 

