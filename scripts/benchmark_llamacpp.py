@@ -116,9 +116,9 @@ class Bench:
         lc = lm._lc
         one = (lc.llama_token * 1)(token)
         for i in range(count):
-            if lc.llama_decode(lm._ctx, lc.llama_batch_get_one(one, 1)) != 0:
+            if lc.llama_decode(lm.context, lc.llama_batch_get_one(one, 1)) != 0:
                 raise RuntimeError("llama_decode failed in the tg loop")
-        lc.llama_synchronize(lm._ctx)
+        lc.llama_synchronize(lm.context)
         lc.llama_memory_clear(lm._memory, True)
         lm._tokens.clear()
         return [token] * (count + 1)

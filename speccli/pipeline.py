@@ -302,7 +302,7 @@ def backend_label(lm: CausalLM) -> str:
     from speccli.backends.distributed import LeaderLM, current
 
     if isinstance(lm, LeaderLM):
-        return f"{backend_label(lm._lm)}+tp{current().size}"
+        return f"{backend_label(lm.wrapped)}+tp{current().size}"
     if isinstance(lm, LlamaCppLM):
         return "llama.cpp"
     if isinstance(lm, StaticCausalLM):

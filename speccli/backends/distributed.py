@@ -200,6 +200,11 @@ class LeaderLM:
     def __init__(self, lm) -> None:
         self._lm = lm
 
+    @property
+    def wrapped(self):
+        """The model this rank runs (what reports describe)."""
+        return self._lm
+
     def __getattr__(self, name: str):
         value = getattr(self._lm, name)
         if name not in self.OPERATIONS:

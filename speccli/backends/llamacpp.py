@@ -220,6 +220,11 @@ class LlamaCppLM:
         self._next_sequence = 1
         self.forward_seconds = 0.0
 
+    @property
+    def context(self):
+        """llama.cpp's context (a ctypes pointer), for scripts that time its own calls."""
+        return self._ctx
+
     # ------------------------------------------------------------------ CausalLM
 
     @property
