@@ -251,6 +251,9 @@ def train(
                 raise UsageError(f"{number} must be a positive number, got {value}")
         if answers is not None and answers < 0:
             raise UsageError(f"--answers must be 0 or more, got {answers}")
+        from speccli.heads.corpus import data_files
+
+        data_files([Path(d) for d in data])  # a missing path is said now, not after the target's answers
         target_config, _ = options.configs()
         loaded = load_model(options.target, target_config, progress)
         asked = default_answers(loaded) if answers is None else answers

@@ -135,7 +135,9 @@ def _jsonl_items(path: Path, tokens: Tokens) -> Iterator[list[int]]:
             yield tokens.text(item["text"])
 
 
-def _named_files(paths: Sequence[Path]) -> list[Path]:
+def data_files(paths: Sequence[Path]) -> list[Path]:
+    """The files `--data` names (folders searched for text, code and .jsonl); a path that is
+    not there is a UsageError (the train command asks before loading anything)."""
     files: list[Path] = []
     for path in paths:
         path = Path(path)
@@ -151,7 +153,7 @@ def _named_files(paths: Sequence[Path]) -> list[Path]:
 
 def _documents(data: Sequence[Path], tokens: Tokens) -> Iterator[list[int]]:
     if data:
-        for path in _named_files(data):
+        for path in data_files(data):
             if path.suffix == ".jsonl":
                 yield from _jsonl_items(path, tokens)
             else:
