@@ -10,6 +10,7 @@ option added is tried too.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -219,38 +220,11 @@ def test_a_closed_stdout_is_a_runtime_failure_said_in_one_line(files, tmp_path, 
     assert_one_line(result, EXIT_FAILURE, "standard output is closed")
 
 
-def test_a_failed_remove_removes_nothing(files, tmp_path):
-    """`models --remove-converted ""` once removed every entry: a forgotten $NAME in a script."""
-    first = specgen(
-        [
-            "generate",
-            "x",
-            "--target",
-            files["gguf"],
-            "--draft",
-            "none",
-            "--device",
-            "cpu",
-            "-n",
-            "1",
-            "--backend",
-            "transformers",
-        ],
-        tmp_path,
-    )
-    assert first.returncode == 0, first.stderr.decode()
-    listed = specgen(["models", "--converted", "--json"], tmp_path)
-    assert len(__import__("json").loads(listed.stdout)) == 1
-    for name in ("", "  "):
-        assert specgen(["models", "--remove-converted", name], tmp_path).returncode == EXIT_USAGE
-    assert specgen(["models", "--converted", "--json"], tmp_path).stdout == listed.stdout
-
-
-@pytest.mark.parametrize("damage", ["same-size", "header", "config-json"])
-def test_a_damaged_converted_entry_is_converted_again_with_one_line(files, tmp_path, damage):
-    args = [
+def gguf_generate(files, prompt: str, tokens: int) -> list[str]:
+    """`generate` over the tiny GGUF through transformers: its first start keeps a converted entry."""
+    return [
         "generate",
-        "abc",
+        prompt,
         "--target",
         files["gguf"],
         "--draft",
@@ -258,10 +232,26 @@ def test_a_damaged_converted_entry_is_converted_again_with_one_line(files, tmp_p
         "--device",
         "cpu",
         "-n",
-        "4",
+        str(tokens),
         "--backend",
         "transformers",
     ]
+
+
+def test_a_failed_remove_removes_nothing(files, tmp_path):
+    """`models --remove-converted ""` once removed every entry: a forgotten $NAME in a script."""
+    first = specgen(gguf_generate(files, "x", 1), tmp_path)
+    assert first.returncode == 0, first.stderr.decode()
+    listed = specgen(["models", "--converted", "--json"], tmp_path)
+    assert len(json.loads(listed.stdout)) == 1
+    for name in ("", "  "):
+        assert specgen(["models", "--remove-converted", name], tmp_path).returncode == EXIT_USAGE
+    assert specgen(["models", "--converted", "--json"], tmp_path).stdout == listed.stdout
+
+
+@pytest.mark.parametrize("damage", ["same-size", "header", "config-json"])
+def test_a_damaged_converted_entry_is_converted_again_with_one_line(files, tmp_path, damage):
+    args = gguf_generate(files, "abc", 4)
     first = specgen(args, tmp_path)
     assert first.returncode == 0, first.stderr.decode()
     (entry,) = (tmp_path / "specgen-cache" / "converted").iterdir()

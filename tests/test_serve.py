@@ -119,21 +119,28 @@ def server(folders, tmp_path_factory):
     running.stop()
 
 
+def endless_args(folders) -> list[str]:
+    """The endless target alone (no draft), float32 on the CPU, served as MODEL."""
+    return [
+        "--target",
+        folders["endless"],
+        "--draft",
+        "none",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--model-name",
+        MODEL,
+    ]
+
+
 @pytest.fixture(scope="module")
 def endless_server(folders, tmp_path_factory):
     """A target whose answers never end by themselves (one character a token), one waiting place."""
     running = ServerProcess(
         [
-            "--target",
-            folders["endless"],
-            "--draft",
-            "none",
-            "--device",
-            "cpu",
-            "--dtype",
-            "float32",
-            "--model-name",
-            MODEL,
+            *endless_args(folders),
             "--max-queue",
             "1",
             "--host",
@@ -682,21 +689,7 @@ def test_an_api_key_is_asked_for_on_v1_only(folders, tmp_path):
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_signal_ends_the_running_generation_and_exits_cleanly(folders, tmp_path, stop):
-    running = ServerProcess(
-        [
-            "--target",
-            folders["endless"],
-            "--draft",
-            "none",
-            "--device",
-            "cpu",
-            "--dtype",
-            "float32",
-            "--model-name",
-            MODEL,
-        ],
-        tmp_path,
-    )
+    running = ServerProcess(endless_args(folders), tmp_path)
     with httpx.stream(
         "POST",
         running.base + "/completions",
