@@ -75,8 +75,11 @@ def project(traces: list[list[bool]], verify_ms: dict[int, float], draft_ms: flo
             for d, a in replay_steps(trace, k):
                 seconds += (d * draft_ms + cost_at(verify_ms, d + 1)) / 1e3
                 drafted, accepted = drafted + d, accepted + a
-        result["k"][k] = {"tokens_per_s": round(tokens / seconds, 1), "speedup": round(plain_s / seconds, 3),
-                          "acceptance": round(accepted / max(1, drafted), 3)}
+        result["k"][k] = {
+            "tokens_per_s": round(tokens / seconds, 1),
+            "speedup": round(plain_s / seconds, 3),
+            "acceptance": round(accepted / max(1, drafted), 3),
+        }
     best = max(result["k"], key=lambda k: result["k"][k]["tokens_per_s"])
     result["best_k"] = best
     result["best_speedup"] = result["k"][best]["speedup"]
@@ -90,8 +93,9 @@ def record(benchmark: Path, draft_name: str | None) -> dict:
 
     data = json.loads(benchmark.read_text())
     result = next(r for r in data["dtypes"] if r["dtype"] == "float32")
-    draft = load_model(draft_name or data["draft"], LoadConfig(device="cpu", dtype="float32", quant="none",
-                                                               cpu_linear="stock"))
+    draft = load_model(
+        draft_name or data["draft"], LoadConfig(device="cpu", dtype="float32", quant="none", cpu_linear="stock")
+    )
     prompts_file = Path(data["prompts_file"])
     if not prompts_file.exists():  # written on another machine: this checkout's copy
         prompts_file = Path(__file__).parent / "prompts" / prompts_file.name
@@ -101,10 +105,17 @@ def record(benchmark: Path, draft_name: str | None) -> dict:
         prompt = encode_bench_prompt(draft.tokenizer, prompts[row["prompt"]])
         answer = row["methods"]["hf-plain"]["tokens"]
         matches = matches_of(draft.model, prompt, answer)
-        rows.append({"prompt": row["prompt"], "tokens": len(answer), "matches": "".join("1" if m else "0" for m in matches)})
+        rows.append(
+            {"prompt": row["prompt"], "tokens": len(answer), "matches": "".join("1" if m else "0" for m in matches)}
+        )
         print(f"acceptance_traces: {row['prompt']}: {sum(matches)}/{len(matches)} positions match", file=sys.stderr)
-    return {"target": data["target"], "draft": draft_name or data["draft"], "dtype": "float32",
-            "source": benchmark.name, "rows": rows}
+    return {
+        "target": data["target"],
+        "draft": draft_name or data["draft"],
+        "dtype": "float32",
+        "source": benchmark.name,
+        "rows": rows,
+    }
 
 
 def load_traces(path: Path) -> list[list[bool]]:

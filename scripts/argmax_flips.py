@@ -73,16 +73,23 @@ def main() -> int:
     modes = (True, False) if refined else (False,)
     speculator = pipeline.speculator(log)
     prompts = [p for path in args.prompts for p in load_prompts(path)]
-    print(f"CPU: {cpu_name()}; target {args.target} in {args.dtype}; flips = positions where a pass over W tokens"
-          f" and one-token passes pick different argmaxes, over each prompt's plain greedy text")
+    print(
+        f"CPU: {cpu_name()}; target {args.target} in {args.dtype}; flips = positions where a pass over W tokens"
+        f" and one-token passes pick different argmaxes, over each prompt's plain greedy text"
+    )
     totals = {(precise, w): 0 for precise in modes for w in widths}
     positions = 0
     rows = []
     for prompt in prompts:
         ids = encode_bench_prompt(pipeline.tokenizer, prompt)
         set_precise_logits(model, refined)
-        text = speculator.stream(ids, SamplingConfig(), SpecConfig(k=0, max_new_tokens=args.max_new_tokens),
-                                 plain=True, cold=True).run().token_ids
+        text = (
+            speculator.stream(
+                ids, SamplingConfig(), SpecConfig(k=0, max_new_tokens=args.max_new_tokens), plain=True, cold=True
+            )
+            .run()
+            .token_ids
+        )
         if not text:
             continue
         positions += len(text)
@@ -103,8 +110,13 @@ def main() -> int:
     for (precise, w), count in totals.items():
         print(f"  {'top logits in float32' if precise else args.dtype + ' logits':<22} W {w:>2}: {count} flips")
     if args.json_out:
-        payload = {"cpu": cpu_name(), "args": {k: str(v) for k, v in vars(args).items()}, "positions": positions,
-                   "totals": {f"{'precise' if p else args.dtype}/W{w}": c for (p, w), c in totals.items()}, "rows": rows}
+        payload = {
+            "cpu": cpu_name(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "positions": positions,
+            "totals": {f"{'precise' if p else args.dtype}/W{w}": c for (p, w), c in totals.items()},
+            "rows": rows,
+        }
         args.json_out.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
     return 0
 

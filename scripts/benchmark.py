@@ -74,12 +74,30 @@ from speccli.models.onednn import set_cpu_linear
 from speccli.pipeline import backend_label, causal_lm, head_drafter, model_drafter
 from speccli.stats import speedup
 
-METHODS = ("hf-plain", "hf-assisted", "hf-assisted-int8", "hf-prompt-lookup", "specgen-draft", "specgen-ngram",
-           "specgen-plain", "specgen-plain-stock", "specgen-tree", "specgen-ngram-tree", "specgen-lookahead",
-           "specgen-medusa", "specgen-medusa-tree", "specgen-eagle", "specgen-eagle-tree")
+METHODS = (
+    "hf-plain",
+    "hf-assisted",
+    "hf-assisted-int8",
+    "hf-prompt-lookup",
+    "specgen-draft",
+    "specgen-ngram",
+    "specgen-plain",
+    "specgen-plain-stock",
+    "specgen-tree",
+    "specgen-ngram-tree",
+    "specgen-lookahead",
+    "specgen-medusa",
+    "specgen-medusa-tree",
+    "specgen-eagle",
+    "specgen-eagle-tree",
+)
 TREE_METHODS = ("specgen-tree", "specgen-ngram-tree", "specgen-medusa-tree", "specgen-eagle-tree")
-HEAD_METHODS = {"specgen-medusa": "medusa", "specgen-medusa-tree": "medusa", "specgen-eagle": "eagle",
-                "specgen-eagle-tree": "eagle"}
+HEAD_METHODS = {
+    "specgen-medusa": "medusa",
+    "specgen-medusa-tree": "medusa",
+    "specgen-eagle": "eagle",
+    "specgen-eagle-tree": "eagle",
+}
 WARMUP_TOKENS = 8
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "default.jsonl"
 
@@ -118,22 +136,39 @@ class Bench:
         if k == "auto":
             costs = measure_costs(target_lm, self.draft_drafter.model, SpecConfig().max_k + 1)
             log(f"calibration: {describe(costs)}")
-            log("pass cost by tokens fed: " + ", ".join(
-                f"{fed}: {1000 * seconds:.0f} ms" for fed, seconds in sorted(costs.verify_seconds.items())))
+            log(
+                "pass cost by tokens fed: "
+                + ", ".join(f"{fed}: {1000 * seconds:.0f} ms" for fed, seconds in sorted(costs.verify_seconds.items()))
+            )
         draft_generator = Speculator.over(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs)
         self.generators = {
             "specgen-draft": draft_generator,
             # Prompt lookup costs no draft pass: the same verification costs, no draft cost.
-            "specgen-ngram": Speculator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
-                                            CostCurve(costs.verify_seconds, None) if costs else None),
+            "specgen-ngram": Speculator.over(
+                target_lm,
+                target.tokenizer,
+                self.eos,
+                self.ngram_drafter,
+                CostCurve(costs.verify_seconds, None) if costs else None,
+            ),
             "specgen-plain": draft_generator,  # streamed with plain=True: the target alone
             "specgen-plain-stock": draft_generator,
             # Their own generators, so that what k auto learns of trees stays apart from chains.
             "specgen-tree": Speculator.over(target_lm, target.tokenizer, self.eos, self.draft_drafter, costs),
-            "specgen-ngram-tree": Speculator.over(target_lm, target.tokenizer, self.eos, self.ngram_drafter,
-                                                 CostCurve(costs.verify_seconds, None) if costs else None),
-            "specgen-lookahead": Speculator.over(target_lm, target.tokenizer, self.eos, LookaheadDrafter(),
-                                                CostCurve(costs.verify_seconds, None) if costs else None),
+            "specgen-ngram-tree": Speculator.over(
+                target_lm,
+                target.tokenizer,
+                self.eos,
+                self.ngram_drafter,
+                CostCurve(costs.verify_seconds, None) if costs else None,
+            ),
+            "specgen-lookahead": Speculator.over(
+                target_lm,
+                target.tokenizer,
+                self.eos,
+                LookaheadDrafter(),
+                CostCurve(costs.verify_seconds, None) if costs else None,
+            ),
         }
         # Heads trained with `specgen train` for this target (from the cache), when a method asks for them.
         for method, kind in HEAD_METHODS.items():
@@ -150,9 +185,7 @@ class Bench:
 
         # A fresh, neutral generation config: pure greedy, none of the model's sampling or
         # repetition-penalty defaults, so every method computes the same argmax chain.
-        config = GenerationConfig(
-            do_sample=False, max_new_tokens=max_new, eos_token_id=self.eos, pad_token_id=self.pad
-        )
+        config = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=self.eos, pad_token_id=self.pad)
         kwargs = {}
         if method == "hf-assisted":
             kwargs["assistant_model"] = self.draft.model
@@ -165,7 +198,7 @@ class Bench:
             out = self.model.generate(
                 inputs, attention_mask=torch.ones_like(inputs), generation_config=config, **kwargs
             )
-        return out[0, len(ids):].tolist(), {}
+        return out[0, len(ids) :].tolist(), {}
 
     def _spec(self, method: str, ids: list[int], max_new: int) -> tuple[list[int], dict]:
         generator = self.generators[method]
@@ -203,8 +236,13 @@ class Bench:
         seconds = time.perf_counter() - started
         tokens = strip_eos(tokens, self.eos_set)
         self.target_lm.rollback(0)  # free specgen's cache before the next method
-        return {"tokens": tokens, "new_tokens": len(tokens), "seconds": seconds,
-                "tokens_per_second": len(tokens) / seconds if seconds > 0 else None, **extra}
+        return {
+            "tokens": tokens,
+            "new_tokens": len(tokens),
+            "seconds": seconds,
+            "tokens_per_second": len(tokens) / seconds if seconds > 0 else None,
+            **extra,
+        }
 
     def next_logits(self, ids: list[int], prefix: list[int]) -> torch.Tensor:
         """The target's logits for the token after the prompt and `prefix`, as plain decoding scores them."""
@@ -217,8 +255,11 @@ def fastest_run(runs: list[dict]) -> dict:
     (`seconds_all`) and whether every run gave the same tokens (greedy: it must). Noise on a
     shared machine only ever adds time, so the fastest run is the one least disturbed."""
     best = min(runs, key=lambda run: run["seconds"])
-    return {**best, "seconds_all": [run["seconds"] for run in runs],
-            "repeats_identical": all(run["tokens"] == best["tokens"] for run in runs)}
+    return {
+        **best,
+        "seconds_all": [run["seconds"] for run in runs],
+        "repeats_identical": all(run["tokens"] == best["tokens"] for run in runs),
+    }
 
 
 def balanced_order(methods: Sequence[str], sequence: int) -> list[str]:
@@ -268,8 +309,10 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
     load_seconds = time.perf_counter() - started
     target_description = target.describe()
-    log(f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; target: {target_description};"
-        f" specgen's draft: {spec_draft.describe()}")
+    log(
+        f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; target: {target_description};"
+        f" specgen's draft: {spec_draft.describe()}"
+    )
     bench = Bench(target, draft, spec_draft, args.k, args.cuda_graphs, methods)
     encoded = [(p, encode_bench_prompt(target.tokenizer, p)) for p in prompts]
 
@@ -280,9 +323,11 @@ def run_dtype(dtype: str, args, prompts) -> dict:
 
     rows = []
     errors = []
-    print(f"\n== dtype {dtype}: target {args.target}, draft {args.draft}, max_new_tokens {args.max_new_tokens},"
-          f" specgen k={args.k}; tokens/s = new tokens / wall time of the whole generate (prefill included)"
-          + (f", the fastest of {args.repeats} runs" if args.repeats > 1 else ""))
+    print(
+        f"\n== dtype {dtype}: target {args.target}, draft {args.draft}, max_new_tokens {args.max_new_tokens},"
+        f" specgen k={args.k}; tokens/s = new tokens / wall time of the whole generate (prefill included)"
+        + (f", the fastest of {args.repeats} runs" if args.repeats > 1 else "")
+    )
     header = f"{'prompt':<24} {'len':>4} " + " ".join(f"{m:>17}" for m in methods) + "  check"
     print(header)
     for index, (prompt, ids) in enumerate(encoded):
@@ -293,8 +338,10 @@ def run_dtype(dtype: str, args, prompts) -> dict:
             orders.append(list(order))
             for method in order:
                 runs[method].append(bench.run(method, ids, args.max_new_tokens))
-                log(f"[{dtype}] {prompt.name} {method}: {runs[method][-1]['new_tokens']} tokens,"
-                    f" {runs[method][-1]['seconds']:.1f} s")
+                log(
+                    f"[{dtype}] {prompt.name} {method}: {runs[method][-1]['new_tokens']} tokens,"
+                    f" {runs[method][-1]['seconds']:.1f} s"
+                )
         results = {method: fastest_run(runs[method]) for method in methods}
         reference = results["hf-plain"]["tokens"]
         divergences = []
@@ -307,35 +354,63 @@ def run_dtype(dtype: str, args, prompts) -> dict:
             # A run that stopped at `position` short of the budget ended by end-of-sequence.
             plain_ended = list(bench.eos) if position == len(reference) < args.max_new_tokens else []
             spec_ended = list(bench.eos) if position == len(tokens) < args.max_new_tokens else []
-            divergence = classify(position, reference, tokens, bench.next_logits(ids, reference[:position]),
-                                  getattr(torch, dtype), plain_ended, spec_ended)
-            entry = {"prompt": prompt.name, "method": method, **divergence.as_dict(), "describe": divergence.describe(),
-                     "plain_tokens": len(reference), "method_tokens": len(tokens)}
+            divergence = classify(
+                position,
+                reference,
+                tokens,
+                bench.next_logits(ids, reference[:position]),
+                getattr(torch, dtype),
+                plain_ended,
+                spec_ended,
+            )
+            entry = {
+                "prompt": prompt.name,
+                "method": method,
+                **divergence.as_dict(),
+                "describe": divergence.describe(),
+                "plain_tokens": len(reference),
+                "method_tokens": len(tokens),
+            }
             results[method]["divergence"] = entry
             divergences.append(entry)
             if not divergence.near_tie:
                 errors.append(entry)
-        check = "all identical" if not divergences else "; ".join(
-            f"{d['method']}: {d['describe']}" for d in divergences)
+        check = (
+            "all identical" if not divergences else "; ".join(f"{d['method']}: {d['describe']}" for d in divergences)
+        )
         cells = " ".join(f"{fmt(results[m]['tokens_per_second']):>10} ({results[m]['new_tokens']:>3})" for m in methods)
         print(f"{prompt.name:<24} {len(ids):>4} {cells}  {check}", flush=True)
-        rows.append({"prompt": prompt.name, "category": prompt.category, "prompt_tokens": len(ids),
-                     "orders": orders,
-                     "methods": {m: {k: v for k, v in r.items()} for m, r in results.items()}})
+        rows.append(
+            {
+                "prompt": prompt.name,
+                "category": prompt.category,
+                "prompt_tokens": len(ids),
+                "orders": orders,
+                "methods": {m: {k: v for k, v in r.items()} for m, r in results.items()},
+            }
+        )
 
     medians = {m: statistics.median(r["methods"][m]["tokens_per_second"] for r in rows) for m in methods}
-    pairs = [(a, b) for a in ("specgen-draft", "specgen-ngram") for b in ("hf-plain", "hf-assisted", "hf-prompt-lookup")]
+    pairs = [
+        (a, b) for a in ("specgen-draft", "specgen-ngram") for b in ("hf-plain", "hf-assisted", "hf-prompt-lookup")
+    ]
     pairs += [("specgen-ngram-tree", "hf-prompt-lookup")]
     pairs += [("specgen-draft", "hf-assisted-int8"), ("specgen-draft", "specgen-plain"), ("specgen-plain", "hf-plain")]
     pairs += [("specgen-plain", "specgen-plain-stock"), ("specgen-plain-stock", "hf-plain")]
-    pairs += [("specgen-lookahead", "specgen-plain"), ("specgen-lookahead", "specgen-ngram"),
-              ("specgen-lookahead", "hf-prompt-lookup"),
-              ("specgen-tree", "specgen-draft"), ("specgen-tree", "specgen-plain"),
-              ("specgen-ngram-tree", "specgen-ngram"), ("specgen-ngram-tree", "specgen-plain")]
+    pairs += [
+        ("specgen-lookahead", "specgen-plain"),
+        ("specgen-lookahead", "specgen-ngram"),
+        ("specgen-lookahead", "hf-prompt-lookup"),
+        ("specgen-tree", "specgen-draft"),
+        ("specgen-tree", "specgen-plain"),
+        ("specgen-ngram-tree", "specgen-ngram"),
+        ("specgen-ngram-tree", "specgen-plain"),
+    ]
     pairs += [(a, b) for a in HEAD_METHODS for b in ("specgen-plain", "specgen-draft")]
     pairs += [("specgen-eagle-tree", "specgen-eagle"), ("specgen-medusa-tree", "specgen-medusa")]
     pairs += [(a, "hf-plain") for a in ("hf-assisted", "hf-assisted-int8", "hf-prompt-lookup")]
     ratios = {f"{a} / {b}": speedup(medians[a], medians[b]) for a, b in pairs if a in medians and b in medians}
+
     # Per-prompt ratios too: the median of ratios is less sensitive to which prompt is slow.
     def prompt_ratios(key: str) -> list[float]:
         a, b = key.split(" / ")
@@ -351,42 +426,63 @@ def run_dtype(dtype: str, args, prompts) -> dict:
             tps = [r["methods"][m]["tokens_per_step"] for r in rows if r["methods"][m]["tokens_per_step"]]
             overhead = [r["methods"][m]["overhead"] for r in rows if r["methods"][m]["overhead"] is not None]
             passes = [r["methods"][m]["pass_size"] for r in rows if r["methods"][m].get("pass_size")]
-            extra = f"  (median acceptance {fmt(statistics.median(acc) if acc else None, '.0%')},"\
-                    f" median tokens/step {fmt(statistics.median(tps) if tps else None)},"\
-                    f" median tokens/pass {fmt(statistics.median(passes) if passes else None, '.1f')},"\
-                    f" time outside forward passes: median {fmt(statistics.median(overhead) if overhead else None, '.1%')},"\
-                    f" max {fmt(max(overhead) if overhead else None, '.1%')})"
+            extra = (
+                f"  (median acceptance {fmt(statistics.median(acc) if acc else None, '.0%')},"
+                f" median tokens/step {fmt(statistics.median(tps) if tps else None)},"
+                f" median tokens/pass {fmt(statistics.median(passes) if passes else None, '.1f')},"
+                f" time outside forward passes: median {fmt(statistics.median(overhead) if overhead else None, '.1%')},"
+                f" max {fmt(max(overhead) if overhead else None, '.1%')})"
+            )
         print(f"{m:<18} {medians[m]:8.2f}{extra}")
     print(f"{'ratio':<40} {'of medians':>10} {'median of per-prompt':>21} {'lowest prompt':>14}")
     for key, value in ratios.items():
-        print(f"{key:<40} {fmt(value, '.2f') + 'x':>10} {fmt(per_prompt_ratio[key], '.2f') + 'x':>21}"
-              f" {fmt(worst_prompt_ratio[key], '.2f') + 'x':>14}")
+        print(
+            f"{key:<40} {fmt(value, '.2f') + 'x':>10} {fmt(per_prompt_ratio[key], '.2f') + 'x':>21}"
+            f" {fmt(worst_prompt_ratio[key], '.2f') + 'x':>14}"
+        )
     modelled = modelled_ratios(rows, methods, pairs, bench.costs)
     if modelled:
-        print("modelled: new tokens / the calibration's seconds for the passes each method made (no draft model;"
-              " decode only), free of the machine's noise while it ran")
+        print(
+            "modelled: new tokens / the calibration's seconds for the passes each method made (no draft model;"
+            " decode only), free of the machine's noise while it ran"
+        )
         for key, (of_medians, per_prompt, lowest) in modelled.items():
-            print(f"{key:<40} {fmt(of_medians, '.2f') + 'x':>10} {fmt(per_prompt, '.2f') + 'x':>21}"
-                  f" {fmt(lowest, '.2f') + 'x':>14}")
+            print(
+                f"{key:<40} {fmt(of_medians, '.2f') + 'x':>10} {fmt(per_prompt, '.2f') + 'x':>21}"
+                f" {fmt(lowest, '.2f') + 'x':>14}"
+            )
     n_div = sum(1 for r in rows for m in methods[1:] if not r["methods"][m]["identical"])
     print(f"divergences from hf-plain: {n_div}, of them mismatches: {len(errors)}" + (" (ERRORS)" if errors else ""))
 
-    backends = {"target": backend_label(bench.target_lm), "draft": backend_label(bench.draft_drafter.model),
-                "target_graphs_error": getattr(bench.target_lm, "graphs_error", None),
-                "draft_graphs_error": getattr(bench.draft_drafter.model, "graphs_error", None)}
+    backends = {
+        "target": backend_label(bench.target_lm),
+        "draft": backend_label(bench.draft_drafter.model),
+        "target_graphs_error": getattr(bench.target_lm, "graphs_error", None),
+        "draft_graphs_error": getattr(bench.draft_drafter.model, "graphs_error", None),
+    }
     print(f"specgen backends: {backends}")
     costs = bench.costs
     del bench, target, draft, spec_draft
-    return {"dtype": dtype, "load_seconds": load_seconds, "specgen_target": target_description,
-            "calibration": costs.as_dict() if costs else None,
-            "specgen_backends": backends, "rows": rows, "median_tokens_per_second": medians,
-            "ratio_of_medians": ratios, "median_of_per_prompt_ratios": per_prompt_ratio,
-            "lowest_per_prompt_ratios": worst_prompt_ratio,
-            "modelled_ratios": {key: dict(zip(("of_medians", "median_of_per_prompt", "lowest_prompt"), values))
-                                for key, values in modelled.items()},
-            "divergences": [r["methods"][m]["divergence"] for r in rows for m in methods[1:]
-                            if "divergence" in r["methods"][m]],
-            "errors": errors}
+    return {
+        "dtype": dtype,
+        "load_seconds": load_seconds,
+        "specgen_target": target_description,
+        "calibration": costs.as_dict() if costs else None,
+        "specgen_backends": backends,
+        "rows": rows,
+        "median_tokens_per_second": medians,
+        "ratio_of_medians": ratios,
+        "median_of_per_prompt_ratios": per_prompt_ratio,
+        "lowest_per_prompt_ratios": worst_prompt_ratio,
+        "modelled_ratios": {
+            key: dict(zip(("of_medians", "median_of_per_prompt", "lowest_prompt"), values))
+            for key, values in modelled.items()
+        },
+        "divergences": [
+            r["methods"][m]["divergence"] for r in rows for m in methods[1:] if "divergence" in r["methods"][m]
+        ],
+        "errors": errors,
+    }
 
 
 # Methods whose whole cost is their target passes (no draft model): their speed can also be
@@ -394,20 +490,26 @@ def run_dtype(dtype: str, args, prompts) -> dict:
 MODELLED = ("specgen-plain", "specgen-ngram", "specgen-ngram-tree", "specgen-lookahead")
 
 
-def modelled_ratios(rows: list[dict], methods: list[str], pairs: list[tuple[str, str]],
-                    costs: CostCurve | None) -> dict[str, tuple[float, float, float]]:
+def modelled_ratios(
+    rows: list[dict], methods: list[str], pairs: list[tuple[str, str]], costs: CostCurve | None
+) -> dict[str, tuple[float, float, float]]:
     """(of medians, median per prompt, lowest prompt) of modelled tokens/s, for the pairs of MODELLED methods."""
     chosen = [m for m in methods if m in MODELLED]
     if costs is None or len(chosen) < 2:
         return {}
-    rates = {m: [r["methods"][m]["new_tokens"] / costs.modelled_seconds(r["methods"][m]["passes"]) for r in rows]
-             for m in chosen}
+    rates = {
+        m: [r["methods"][m]["new_tokens"] / costs.modelled_seconds(r["methods"][m]["passes"]) for r in rows]
+        for m in chosen
+    }
     out = {}
     for a, b in pairs:
         if a in rates and b in rates:
             per_prompt = [x / y for x, y in zip(rates[a], rates[b])]
-            out[f"{a} / {b}"] = (statistics.median(rates[a]) / statistics.median(rates[b]),
-                                 statistics.median(per_prompt), min(per_prompt))
+            out[f"{a} / {b}"] = (
+                statistics.median(rates[a]) / statistics.median(rates[b]),
+                statistics.median(per_prompt),
+                min(per_prompt),
+            )
     return out
 
 
@@ -417,24 +519,39 @@ def main() -> int:
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--quant", default="auto",
-                        help="for target and drafts: auto (4-bit on CUDA, none on the CPU; specgen's draft: int8 on"
-                             " the CPU), none, 4bit, 8bit")
+    parser.add_argument(
+        "--quant",
+        default="auto",
+        help="for target and drafts: auto (4-bit on CUDA, none on the CPU; specgen's draft: int8 on"
+        " the CPU), none, 4bit, 8bit",
+    )
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
-    parser.add_argument("--limit", type=int, default=None,
-                        help="take N prompts, one category after another (file order within each)")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="take N prompts, one category after another (file order within each)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", default="auto", help="specgen draft length: a number or auto")
-    parser.add_argument("--cuda-graphs", default="auto", choices=("auto", "off"),
-                        help="specgen's backend on CUDA: auto (static cache + CUDA graphs for bf16/fp16/4-bit/8-bit)"
-                             " or off (DynamicCache)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="run every method this many times per prompt (the order rotated each round) and keep"
-                             " each one's fastest run: two methods that make the same passes then measure alike"
-                             " on a noisy machine")
+    parser.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=("auto", "off"),
+        help="specgen's backend on CUDA: auto (static cache + CUDA graphs for bf16/fp16/4-bit/8-bit)"
+        " or off (DynamicCache)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every method this many times per prompt (the order rotated each round) and keep"
+        " each one's fastest run: two methods that make the same passes then measure alike"
+        " on a noisy machine",
+    )
     parser.add_argument("--json-out", type=Path, default=None)
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help="comma-separated subset of the methods (hf-plain always runs: it is the reference)")
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated subset of the methods (hf-plain always runs: it is the reference)",
+    )
     args = parser.parse_args()
     args.k = args.k if args.k == "auto" else int(args.k)
     if args.repeats < 1:
@@ -450,14 +567,27 @@ def main() -> int:
         prompts = round_robin_by_category(prompts, args.limit)
     import transformers
 
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "target": args.target, "draft": args.draft,
-           "max_new_tokens": args.max_new_tokens, "k": args.k, "repeats": args.repeats, "prompts_file": str(args.prompts),
-           "prompts": [p.name for p in prompts], "methods": list(args.methods),
-           "timing": "new tokens / wall time of the whole generate call, prefill included, every method",
-           "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
-                           "machine": platform.machine(), "processor": platform.processor()},
-           "dtypes": []}
+    out = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "target": args.target,
+        "draft": args.draft,
+        "max_new_tokens": args.max_new_tokens,
+        "k": args.k,
+        "repeats": args.repeats,
+        "prompts_file": str(args.prompts),
+        "prompts": [p.name for p in prompts],
+        "methods": list(args.methods),
+        "timing": "new tokens / wall time of the whole generate call, prefill included, every method",
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+        },
+        "dtypes": [],
+    }
     failed = False
     for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         result = run_dtype(dtype, args, prompts)

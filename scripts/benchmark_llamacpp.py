@@ -62,8 +62,16 @@ from speccli.models.loading import cpu_name, load_model  # noqa: E402
 from speccli.pipeline import model_drafter  # noqa: E402
 from speccli.stats import speedup  # noqa: E402
 
-METHODS = ("llamacpp-greedy", "llamacpp-tg", "specgen-plain", "specgen-draft", "specgen-ngram",
-           "specgen-lookahead", "specgen-tree", "hf-plain")
+METHODS = (
+    "llamacpp-greedy",
+    "llamacpp-tg",
+    "specgen-plain",
+    "specgen-draft",
+    "specgen-ngram",
+    "specgen-lookahead",
+    "specgen-tree",
+    "hf-plain",
+)
 SPECGEN = ("specgen-plain", "specgen-draft", "specgen-ngram", "specgen-lookahead", "specgen-tree")
 WARMUP_TOKENS = 8
 
@@ -131,8 +139,10 @@ class Bench:
             generation = generator.stream(ids, SamplingConfig(), spec, plain=plain, cold=True).run()
         stats = generation.stats
         return generation.token_ids, {
-            "decode_seconds": stats.decode_seconds, "decode_tokens": stats.new_tokens,
-            "acceptance": stats.acceptance_rate, "tokens_per_step": stats.tokens_per_step,
+            "decode_seconds": stats.decode_seconds,
+            "decode_tokens": stats.new_tokens,
+            "acceptance": stats.acceptance_rate,
+            "tokens_per_step": stats.tokens_per_step,
             "pass_size": stats.mean_pass_size,
         }
 
@@ -140,12 +150,13 @@ class Bench:
         from transformers import GenerationConfig
 
         model = self.hf_target.model
-        config = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=self.eos,
-                                  pad_token_id=self.eos[0])
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=max_new, eos_token_id=self.eos, pad_token_id=self.eos[0]
+        )
         inputs = torch.tensor([ids])
         with torch.inference_mode():
             out = model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=config)
-        return out[0, len(ids):].tolist(), {}
+        return out[0, len(ids) :].tolist(), {}
 
     def run(self, method: str, ids: list[int], max_new: int) -> dict:
         runner = self._spec if method in SPECGEN else self._hf if method == "hf-plain" else self._llamacpp
@@ -157,9 +168,14 @@ class Bench:
         if method != "llamacpp-tg":
             tokens = strip_eos(tokens, self.eos_set)
         decode = extra.get("decode_seconds")
-        return {"tokens": tokens, "new_tokens": len(tokens), "seconds": seconds,
-                "tokens_per_second": len(tokens) / seconds if seconds > 0 else None,
-                "decode_tokens_per_second": extra["decode_tokens"] / decode if decode else None, **extra}
+        return {
+            "tokens": tokens,
+            "new_tokens": len(tokens),
+            "seconds": seconds,
+            "tokens_per_second": len(tokens) / seconds if seconds > 0 else None,
+            "decode_tokens_per_second": extra["decode_tokens"] / decode if decode else None,
+            **extra,
+        }
 
     def top2_gap(self, ids: list[int], prefix: list[int]) -> float:
         self.lm.rollback(0)
@@ -182,8 +198,13 @@ def llama_bench_tg(binary: Path, model: Path, threads: int, tokens: int = 64) ->
     """llama-bench's own tg tokens/s (the mean over its 5 repetitions)."""
     import subprocess
 
-    out = subprocess.run([str(binary), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(tokens),
-                          "-r", "5", "-o", "json"], capture_output=True, text=True, check=True, timeout=900)
+    out = subprocess.run(
+        [str(binary), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "5", "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
+    )
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
@@ -196,14 +217,25 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--json-out", type=Path, default=None)
-    parser.add_argument("--llama-bench", type=Path, default=None,
-                        help="a llama-bench binary built from the same llama.cpp: its tg64 with the same file and"
-                             " threads, run before and after the prompts, is set beside specgen-plain's decode tok/s")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="rounds per prompt, the methods' order rotated each round; each cell is the round with"
-                             " the median tokens/s (single runs of 100 tokens vary by 10%% here)")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help="comma-separated subset (llamacpp-greedy always runs: it is the reference)")
+    parser.add_argument(
+        "--llama-bench",
+        type=Path,
+        default=None,
+        help="a llama-bench binary built from the same llama.cpp: its tg64 with the same file and"
+        " threads, run before and after the prompts, is set beside specgen-plain's decode tok/s",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds per prompt, the methods' order rotated each round; each cell is the round with"
+        " the median tokens/s (single runs of 100 tokens vary by 10%% here)",
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated subset (llamacpp-greedy always runs: it is the reference)",
+    )
     args = parser.parse_args()
     chosen = {m.strip() for m in args.methods.split(",") if m.strip()}
     unknown = chosen - set(METHODS)
@@ -220,10 +252,13 @@ def main() -> int:
     check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
     hf_target = None
     if "hf-plain" in methods:
-        hf_target = load_model(args.target, LoadConfig(device="cpu", dtype=args.hf_dtype, backend="transformers"),
-                               progress=log)
-    log(f"target: {target.describe()}; draft: {draft.describe()}"
-        + (f"; hf-plain: {hf_target.describe()}" if hf_target else ""))
+        hf_target = load_model(
+            args.target, LoadConfig(device="cpu", dtype=args.hf_dtype, backend="transformers"), progress=log
+        )
+    log(
+        f"target: {target.describe()}; draft: {draft.describe()}"
+        + (f"; hf-plain: {hf_target.describe()}" if hf_target else "")
+    )
     bench = Bench(target, draft, hf_target, methods)
     costs = bench.costs
     curve = ", ".join(f"{fed}: {1000 * s:.0f} ms" for fed, s in sorted(costs.verify_seconds.items()))
@@ -260,8 +295,7 @@ def main() -> int:
                 notes.append(f"{method} differs at {position} (gap {gap:.3f})")
         cells = " ".join(f"{fmt(results[m]['tokens_per_second']):>10} ({results[m]['new_tokens']:>3})" for m in methods)
         print(f"{prompt.name:<24} {len(ids):>4} {cells}  {'; '.join(notes) or 'all identical'}", flush=True)
-        rows.append({"prompt": prompt.name, "category": prompt.category, "prompt_tokens": len(ids),
-                     "methods": results})
+        rows.append({"prompt": prompt.name, "category": prompt.category, "prompt_tokens": len(ids), "methods": results})
 
     def median(method: str, key: str = "tokens_per_second") -> float | None:
         values = [r["methods"][method][key] for r in rows if r["methods"][method].get(key)]
@@ -270,13 +304,24 @@ def main() -> int:
     print(f"\n-- median over {len(rows)} prompts")
     print(f"{'method':<18} {'tok/s':>7} {'decode tok/s':>13} {'acceptance':>11} {'tok/step':>9} {'tok/pass':>9}")
     for m in methods:
-        print(f"{m:<18} {fmt(median(m)):>7} {fmt(median(m, 'decode_tokens_per_second')):>13}"
-              f" {fmt(median(m, 'acceptance'), '.0%'):>11} {fmt(median(m, 'tokens_per_step')):>9}"
-              f" {fmt(median(m, 'pass_size'), '.1f'):>9}")
+        print(
+            f"{m:<18} {fmt(median(m)):>7} {fmt(median(m, 'decode_tokens_per_second')):>13}"
+            f" {fmt(median(m, 'acceptance'), '.0%'):>11} {fmt(median(m, 'tokens_per_step')):>9}"
+            f" {fmt(median(m, 'pass_size'), '.1f'):>9}"
+        )
     pairs = [("specgen-plain", "llamacpp-tg", "decode_tokens_per_second"), ("specgen-plain", "llamacpp-greedy", None)]
     pairs += [(m, "specgen-plain", None) for m in SPECGEN[1:]]
-    pairs += [(m, "hf-plain", None) for m in ("llamacpp-greedy", "specgen-plain", "specgen-draft", "specgen-ngram",
-                                               "specgen-lookahead", "specgen-tree")]
+    pairs += [
+        (m, "hf-plain", None)
+        for m in (
+            "llamacpp-greedy",
+            "specgen-plain",
+            "specgen-draft",
+            "specgen-ngram",
+            "specgen-lookahead",
+            "specgen-tree",
+        )
+    ]
     ratios = {}
     print(f"{'ratio':<44} {'of medians':>10} {'lowest prompt':>14}")
     for a, b, key in pairs:
@@ -285,28 +330,51 @@ def main() -> int:
         key = key or "tokens_per_second"
         per_prompt = [speedup(r["methods"][a][key], r["methods"][b][key]) for r in rows]
         name = f"{a} / {b}" + (" (decode)" if key != "tokens_per_second" else "")
-        ratios[name] = {"of_medians": speedup(median(a, key), median(b, key)),
-                        "lowest_prompt": min(per_prompt), "per_prompt": per_prompt}
+        ratios[name] = {
+            "of_medians": speedup(median(a, key), median(b, key)),
+            "lowest_prompt": min(per_prompt),
+            "per_prompt": per_prompt,
+        }
         print(f"{name:<44} {fmt(ratios[name]['of_medians']) + 'x':>10} {fmt(min(per_prompt)) + 'x':>14}")
     if args.llama_bench and "specgen-plain" in methods:
         bench_tg.append(llama_bench_tg(args.llama_bench, target.resolved.gguf_path, bench.lm.threads))
         tg = statistics.mean(bench_tg)
         plain = median("specgen-plain", "decode_tokens_per_second")
-        ratios["specgen-plain (decode) / llama-bench tg64"] = {"of_medians": speedup(plain, tg), "llama_bench": bench_tg}
-        print(f"llama-bench tg64 (before, after the prompts): {', '.join(f'{t:.2f}' for t in bench_tg)} tok/s;"
-              f" specgen-plain decode / llama-bench: {fmt(speedup(plain, tg))}x")
-    divergences = [(r["prompt"], m, r["methods"][m]["divergence"]) for r in rows for m in SPECGEN
-                   if m in r["methods"] and "divergence" in r["methods"][m]]
-    print(f"divergences from llamacpp-greedy: {len(divergences)}"
-          + "".join(f"\n  {p} {m}: at {d['position']}, gap {d['top2_logit_gap']:.3f}" for p, m, d in divergences))
+        ratios["specgen-plain (decode) / llama-bench tg64"] = {
+            "of_medians": speedup(plain, tg),
+            "llama_bench": bench_tg,
+        }
+        print(
+            f"llama-bench tg64 (before, after the prompts): {', '.join(f'{t:.2f}' for t in bench_tg)} tok/s;"
+            f" specgen-plain decode / llama-bench: {fmt(speedup(plain, tg))}x"
+        )
+    divergences = [
+        (r["prompt"], m, r["methods"][m]["divergence"])
+        for r in rows
+        for m in SPECGEN
+        if m in r["methods"] and "divergence" in r["methods"][m]
+    ]
+    print(
+        f"divergences from llamacpp-greedy: {len(divergences)}"
+        + "".join(f"\n  {p} {m}: at {d['position']}, gap {d['top2_logit_gap']:.3f}" for p, m, d in divergences)
+    )
     if args.json_out:
-        out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu_name(), "threads": bench.lm.threads,
-               "llama_cpp_python": llama_cpp_version(), "python": platform.python_version(),
-               "target": target.describe(), "draft": draft.describe(),
-               "hf_target": hf_target.describe() if hf_target else None,
-               "calibration": costs.as_dict(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-               "methods": list(methods),
-               "rows": rows, "ratios": ratios}
+        out = {
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "cpu": cpu_name(),
+            "threads": bench.lm.threads,
+            "llama_cpp_python": llama_cpp_version(),
+            "python": platform.python_version(),
+            "target": target.describe(),
+            "draft": draft.describe(),
+            "hf_target": hf_target.describe() if hf_target else None,
+            "calibration": costs.as_dict(),
+            "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats,
+            "methods": list(methods),
+            "rows": rows,
+            "ratios": ratios,
+        }
         args.json_out.write_text(json.dumps(out, indent=2))
     return 0
 

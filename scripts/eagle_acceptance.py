@@ -58,8 +58,13 @@ def main() -> int:
     args = parser.parse_args()
 
     config = LoadConfig("cpu", args.dtype)
-    pipeline = load_pipeline(args.target, args.heads, config, LoadConfig("cpu", args.dtype, for_draft=True),
-                             lambda message: print(message, file=sys.stderr))
+    pipeline = load_pipeline(
+        args.target,
+        args.heads,
+        config,
+        LoadConfig("cpu", args.dtype, for_draft=True),
+        lambda message: print(message, file=sys.stderr),
+    )
     generator = pipeline.speculator()
     names = {n for n in args.names.split(",") if n}
     totals = {"accepted": 0, "drafted": 0, "all": [0, 0], "drafted_positions": [0, 0]}
@@ -69,7 +74,9 @@ def main() -> int:
             continue
         request = prompt.request()
         ids = encode_prompt(pipeline.tokenizer, request)
-        generation = generator.stream(request, SamplingConfig(), SpecConfig(k=1, max_new_tokens=args.max_new_tokens)).run()
+        generation = generator.stream(
+            request, SamplingConfig(), SpecConfig(k=1, max_new_tokens=args.max_new_tokens)
+        ).run()
         out = generation.token_ids
         if len(out) < 2:
             continue
@@ -80,15 +87,21 @@ def main() -> int:
         steps_first = [i for i, token in enumerate(generation.tokens[:-1]) if token.draft_position == 0]
         at_drafted = every[torch.tensor(steps_first, dtype=torch.long)]
         stats = generation.stats
-        print(f"{prompt.name:20s} {stats.accepted:>5d}/{stats.drafted:<4d}{stats.accepted / max(1, stats.drafted):5.2f}"
-              f" {every.mean():15.2f} {at_drafted.mean():21.2f}")
+        print(
+            f"{prompt.name:20s} {stats.accepted:>5d}/{stats.drafted:<4d}{stats.accepted / max(1, stats.drafted):5.2f}"
+            f" {every.mean():15.2f} {at_drafted.mean():21.2f}"
+        )
         totals["accepted"] += stats.accepted
         totals["drafted"] += stats.drafted
-        totals["all"][0] += float(every.sum()); totals["all"][1] += len(every)
-        totals["drafted_positions"][0] += float(at_drafted.sum()); totals["drafted_positions"][1] += len(at_drafted)
+        totals["all"][0] += float(every.sum())
+        totals["all"][1] += len(every)
+        totals["drafted_positions"][0] += float(at_drafted.sum())
+        totals["drafted_positions"][1] += len(at_drafted)
     if totals["drafted"]:
-        print(f"{'all':20s} {totals['accepted'] / totals['drafted']:14.3f} {totals['all'][0] / totals['all'][1]:15.3f}"
-              f" {totals['drafted_positions'][0] / totals['drafted_positions'][1]:21.3f}")
+        print(
+            f"{'all':20s} {totals['accepted'] / totals['drafted']:14.3f} {totals['all'][0] / totals['all'][1]:15.3f}"
+            f" {totals['drafted_positions'][0] / totals['drafted_positions'][1]:21.3f}"
+        )
     return 0
 
 

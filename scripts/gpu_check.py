@@ -65,11 +65,25 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32)
 CONTEXTS = (256, 2048)
 # Shares of --budget per stage (the rest is slack for loading and writing).
 # The formats share what is left after these.
-SHARES = {"environment": 0.03, "correctness": 0.2, "profile": 0.05, "peers": 0.2, "projection": 0.07, "eagle3": 0.08,
-          "fusion": 0.04}
+SHARES = {
+    "environment": 0.03,
+    "correctness": 0.2,
+    "profile": 0.05,
+    "peers": 0.2,
+    "projection": 0.07,
+    "eagle3": 0.08,
+    "fusion": 0.04,
+}
 # The real offline pair's shapes (Qwen2.5-Coder 1.5B target, 0.5B draft) for the projection.
-PAIR_TARGET = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                   intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)
+PAIR_TARGET = dict(
+    hidden_size=1536,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    intermediate_size=8960,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
 TRACES = Path(__file__).resolve().parent / "data" / "acceptance-traces-qwen2.5-coder-float32.json"
 
 
@@ -92,10 +106,24 @@ class Plan:
 FORMATS = ("bf16", "int4", "int4-hqq", "nf4", "fp8", "bf16+compile")
 REAL = Plan(SHAPES["real"], SIZES, CONTEXTS, 64, 3, 200, FORMATS, 3000)
 SMOKE_SHAPES = {
-    "target": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=128, vocab_size=512, tie_word_embeddings=False),
-    "draft": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  intermediate_size=64, vocab_size=512, tie_word_embeddings=True),
+    "target": dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    ),
+    "draft": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
     "self_layers": 2,
 }
 SMOKE = Plan(SMOKE_SHAPES, (1, 2, 4, 8), (64, 300), 16, 2, 40, ("bf16",), 400)  # --formats adds bf16+compile
@@ -155,8 +183,15 @@ def free(device: torch.device) -> None:
 def qwen_config(shape: dict, max_positions: int = 32768):
     from transformers import Qwen2Config
 
-    return Qwen2Config(**shape, max_position_embeddings=max_positions, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                       bos_token_id=0, eos_token_id=[1], use_sliding_window=False)
+    return Qwen2Config(
+        **shape,
+        max_position_embeddings=max_positions,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=[1],
+        use_sliding_window=False,
+    )
 
 
 def random_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int, max_positions: int = 32768):
@@ -208,10 +243,17 @@ def quantize(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear) and child is not head:
-                    layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                              compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
-                    layer.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False,
-                                                     quant_type="nf4", compress_statistics=True)
+                    layer = bnb.nn.Linear4bit(
+                        child.in_features,
+                        child.out_features,
+                        bias=child.bias is not None,
+                        compute_dtype=torch.bfloat16,
+                        quant_type="nf4",
+                        device="meta",
+                    )
+                    layer.weight = bnb.nn.Params4bit(
+                        child.weight.data.to("cpu"), requires_grad=False, quant_type="nf4", compress_statistics=True
+                    )
                     if child.bias is not None:
                         layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
                     setattr(parent, name, layer.to(device))
@@ -244,17 +286,22 @@ def environment(device: torch.device, smoke: bool) -> dict:
     import transformers
 
     info: dict[str, Any] = {
-        "device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "cpu": platform.processor() or platform.machine(), "smoke": smoke,
+        "device": str(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "smoke": smoke,
     }
     for package in ("bitsandbytes", "torchao"):
         with contextlib.suppress(Exception):
             info[package] = __import__(package).__version__
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1),
-                    capability=f"{props.major}.{props.minor}")
-    size = (2**30 if device.type == "cuda" else 2**26)
+        info.update(
+            gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}"
+        )
+    size = 2**30 if device.type == "cuda" else 2**26
     source = torch.empty(size, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     for _ in range(3):
@@ -279,7 +326,7 @@ def reference_tokens(model, prompt: list[int], new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def prompts_for(plan: Plan, vocab: int, seed: int = 7) -> list[list[int]]:
@@ -295,7 +342,9 @@ def correctness(plan: Plan, device: torch.device, text, clock: Clock) -> dict:
     references = [reference_tokens(target, p, plan.new_tokens) for p in prompts]
     checks = []
     # Unfused with graphs and without, then fused as `--quant none` loads a model on CUDA.
-    for graphs, fused in ((True, False), (False, False), (True, True)) if device.type == "cuda" else ((False, False), (False, True)):
+    for graphs, fused in (
+        ((True, False), (False, False), (True, True)) if device.type == "cuda" else ((False, False), (False, True))
+    ):
         if fused:
             fuse_projections(target)
             fuse_projections(self_draft)
@@ -306,8 +355,17 @@ def correctness(plan: Plan, device: torch.device, text, clock: Clock) -> dict:
             clock.check("the float32 checks")
             spec = SpecConfig(k=4, max_new_tokens=plan.new_tokens, tree=tree)
             equal = [greedy_tokens(decoder, p, spec) == r for p, r in zip(prompts, references)]
-            checks.append({"dtype": "float32", "graphs": target_lm.graphs_enabled, "fused": fused, "tree": tree,
-                           "equal": sum(equal), "prompts": len(equal), "graphs_error": target_lm.graphs_error})
+            checks.append(
+                {
+                    "dtype": "float32",
+                    "graphs": target_lm.graphs_enabled,
+                    "fused": fused,
+                    "tree": tree,
+                    "equal": sum(equal),
+                    "prompts": len(equal),
+                    "graphs_error": target_lm.graphs_error,
+                }
+            )
     result["float32_greedy"] = checks
     del target, self_draft, decoder, drafter, target_lm
     free(device)
@@ -318,7 +376,9 @@ def correctness(plan: Plan, device: torch.device, text, clock: Clock) -> dict:
     fuse_projections(target)  # as the product loads them
     fuse_projections(self_draft)
     target_lm = StaticCausalLM(target)
-    decoder = SpeculativeDecoder(target_lm, text, [], ModelDrafter(StaticCausalLM(self_draft), target.config.vocab_size))
+    decoder = SpeculativeDecoder(
+        target_lm, text, [], ModelDrafter(StaticCausalLM(self_draft), target.config.vocab_size)
+    )
     divergences = []
     for prompt, reference in zip(prompts, references):
         spec_tokens = greedy_tokens(decoder, prompt, SpecConfig(k=4, max_new_tokens=plan.new_tokens))
@@ -344,8 +404,15 @@ def sampled_test(plan: Plan, device: torch.device, text) -> dict:
 
     from speccli import loop as loop_module
 
-    shape = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=64, vocab_size=8, tie_word_embeddings=False)
+    shape = dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=8,
+        tie_word_embeddings=False,
+    )
     target = random_model(shape, device, torch.float32, seed=5, max_positions=64)
     spread_logits(target, 40.0)
     draft = random_model(shape, device, torch.float32, seed=6, max_positions=64)
@@ -363,8 +430,11 @@ def sampled_test(plan: Plan, device: torch.device, text) -> dict:
     try:
         sampling = SamplingConfig(temperature=1.0)
         for _ in range(plan.sample_draws):
-            tokens = [e.token_id for e in decoder.generate(prompt, sampling, SpecConfig(k=3, max_new_tokens=2))
-                      if isinstance(e, TokenEvent)]
+            tokens = [
+                e.token_id
+                for e in decoder.generate(prompt, sampling, SpecConfig(k=3, max_new_tokens=2))
+                if isinstance(e, TokenEvent)
+            ]
             counts[tokens[0] * 8 + tokens[1]] += 1
     finally:
         loop_module.coupled = coupled
@@ -376,8 +446,12 @@ def sampled_test(plan: Plan, device: torch.device, text) -> dict:
         observed, wanted_list = observed[:-1], wanted_list[:-1]
     pvalue = float(chisquare(observed, wanted_list).pvalue)
     impossible = int(counts[expected == 0].sum())
-    return {"draws": plan.sample_draws, "pvalue": pvalue, "impossible_draws": impossible,
-            "passed": pvalue >= 1e-3 and impossible == 0}
+    return {
+        "draws": plan.sample_draws,
+        "pvalue": pvalue,
+        "impossible_draws": impossible,
+        "passed": pvalue >= 1e-3 and impossible == 0,
+    }
 
 
 def compiled(fmt: str) -> bool:
@@ -404,8 +478,12 @@ def profiled(device: torch.device, work: Callable[[], Any], count: int) -> dict:
             busy_us += getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0) or 0.0
         else:
             ops += 1
-    result = {"wall_ms": round(wall_ms, 3), "kernels": kernels / count, "cpu_ops": ops / count,
-              "gpu_busy_ms": round(busy_us / 1e3 / count, 3)}
+    result = {
+        "wall_ms": round(wall_ms, 3),
+        "kernels": kernels / count,
+        "cpu_ops": ops / count,
+        "gpu_busy_ms": round(busy_us / 1e3 / count, 3),
+    }
     if kernels:
         result["host_ms"] = round(wall_ms - result["gpu_busy_ms"], 3)
     return result
@@ -424,9 +502,13 @@ def profile(plan: Plan, device: torch.device, clock: Clock, target, fmt: str, st
         for token in range(steps):
             int(torch.argmax(lm.forward([token + 2])[-1]))  # the host waits for each pass, as decoding does
 
-    result = {"steps": steps, "pass": profiled(device, passes, steps),
-              "backend": ("cuda graphs" if lm.graphs_enabled else "eager") + (", compiled" if lm.compile_enabled else ""),
-              "graphs_error": lm.graphs_error, "compile_error": lm.compile_error}
+    result = {
+        "steps": steps,
+        "pass": profiled(device, passes, steps),
+        "backend": ("cuda graphs" if lm.graphs_enabled else "eager") + (", compiled" if lm.compile_enabled else ""),
+        "graphs_error": lm.graphs_error,
+        "compile_error": lm.compile_error,
+    }
     lm.rollback(0)
     clock.check("profiling the loop")
     decoder = SpeculativeDecoder(lm, IdText(), [], None)
@@ -441,16 +523,24 @@ def profile(plan: Plan, device: torch.device, clock: Clock, target, fmt: str, st
     return result
 
 
-def pass_costs(plan: Plan, device: torch.device, clock: Clock, target, drafts: dict, fmt: str, bandwidth: float) -> dict:
+def pass_costs(
+    plan: Plan, device: torch.device, clock: Clock, target, drafts: dict, fmt: str, bandwidth: float
+) -> dict:
     lm = StaticCausalLM(target, capacity=max(plan.contexts) + max(plan.sizes) + 8, compile=compiled(fmt))
-    rows: dict[str, Any] = {"format": fmt, "weight_bytes": weight_bytes(target, fmt), "graphs_error": None, "contexts": {}}
+    rows: dict[str, Any] = {
+        "format": fmt,
+        "weight_bytes": weight_bytes(target, fmt),
+        "graphs_error": None,
+        "contexts": {},
+    }
     for context in plan.contexts:
         clock.check(f"{fmt} passes at {context} tokens")
         curve = measure_costs(lm, None, max(plan.sizes), repeats=3, context_tokens=context, sizes=plan.sizes)
         costs = {n: round(1e3 * s, 3) for n, s in sorted(curve.verify_seconds.items())}
         rows["contexts"][context] = {"ms": costs, "ratio_to_one": {n: round(c / costs[1], 3) for n, c in costs.items()}}
-    rows.update(graphs_error=lm.graphs_error, compile_error=lm.compile_error,
-                setup_seconds=round(lm.setup_seconds, 1))  # graph captures (and compiles), once per process
+    rows.update(
+        graphs_error=lm.graphs_error, compile_error=lm.compile_error, setup_seconds=round(lm.setup_seconds, 1)
+    )  # graph captures (and compiles), once per process
     if bandwidth:
         limit_ms = rows["weight_bytes"] / (bandwidth * 1e9) * 1e3
         one = rows["contexts"][plan.contexts[0]]["ms"][1]
@@ -527,8 +617,10 @@ def projection(plan: Plan, device: torch.device, clock: Clock, draft, formats: t
         sizes = tuple(n for n in range(1, 10) if n <= max(plan.sizes))
         curve = measure_costs(lm, None, max(sizes), repeats=3, context_tokens=plan.contexts[0], sizes=sizes)
         verify_ms = {n: 1e3 * seconds for n, seconds in curve.verify_seconds.items()}
-        result[fmt] = {"verify_ms": {n: round(ms, 3) for n, ms in verify_ms.items()},
-                       **project(traces, verify_ms, result["draft_token_ms"])}
+        result[fmt] = {
+            "verify_ms": {n: round(ms, 3) for n, ms in verify_ms.items()},
+            **project(traces, verify_ms, result["draft_token_ms"]),
+        }
         del lm, target
         free(device)
     return result
@@ -549,10 +641,15 @@ def run_method(decoder: SpeculativeDecoder, prompts: list[list[int]], spec: Spec
                 tokens += event.new_tokens
                 seconds += event.seconds - prefill
     accepted = sum(s.accepted for s in steps)
-    return {"tokens_per_s": round(tokens / seconds, 2), "tokens": int(tokens), "steps": len(steps),
-            "tokens_per_step": round(tokens / max(1, len(steps)), 3),
-            "acceptance": round(accepted / max(1, sum(s.drafted for s in steps)), 3),
-            "fed": [s.fed or s.drafted + 1 for s in steps], "drafted": [s.drafted for s in steps]}
+    return {
+        "tokens_per_s": round(tokens / seconds, 2),
+        "tokens": int(tokens),
+        "steps": len(steps),
+        "tokens_per_step": round(tokens / max(1, len(steps)), 3),
+        "acceptance": round(accepted / max(1, sum(s.drafted for s in steps)), 3),
+        "fed": [s.fed or s.drafted + 1 for s in steps],
+        "drafted": [s.drafted for s in steps],
+    }
 
 
 def predicted(run: dict, verify_ms: dict[int, float], draft_ms: float | None) -> float | None:
@@ -604,19 +701,23 @@ def speed(plan: Plan, device: torch.device, clock: Clock, text, target, drafts: 
     target_lm = StaticCausalLM(target, compile=compiled(fmt))
     verify_ms = costs.get("contexts", {}).get(plan.contexts[0], {}).get("ms", {})
     methods: list[tuple[str, Any, SpecConfig, float | None]] = [
-        ("specgen-plain", None, SpecConfig(k=0, max_new_tokens=plan.new_tokens), None)]
+        ("specgen-plain", None, SpecConfig(k=0, max_new_tokens=plan.new_tokens), None)
+    ]
     for name, draft in drafts.items():
         drafter = ModelDrafter(StaticCausalLM(draft, compile=compiled(fmt)), target.config.vocab_size)
         draft_ms = costs.get("draft_token_ms", {}).get(name)
-        methods += [(f"specgen-draft-{name}-k4", drafter, SpecConfig(k=4, max_new_tokens=plan.new_tokens), draft_ms),
-                    (f"specgen-draft-{name}-auto", drafter, SpecConfig(k="auto", max_new_tokens=plan.new_tokens), draft_ms),
-                    (f"specgen-tree-{name}", drafter, SpecConfig(k=4, max_new_tokens=plan.new_tokens, tree=True), draft_ms)]
+        methods += [
+            (f"specgen-draft-{name}-k4", drafter, SpecConfig(k=4, max_new_tokens=plan.new_tokens), draft_ms),
+            (f"specgen-draft-{name}-auto", drafter, SpecConfig(k="auto", max_new_tokens=plan.new_tokens), draft_ms),
+            (f"specgen-tree-{name}", drafter, SpecConfig(k=4, max_new_tokens=plan.new_tokens, tree=True), draft_ms),
+        ]
     for name, drafter, spec, draft_ms in methods:
         clock.check(name)
         decoder = SpeculativeDecoder(target_lm, text, [], drafter)
         if verify_ms:  # what a calibration gives the product: k auto and trees start from it
-            decoder.costs = CostCurve({int(n): ms / 1e3 for n, ms in verify_ms.items()},
-                                      None if draft_ms is None else draft_ms / 1e3)
+            decoder.costs = CostCurve(
+                {int(n): ms / 1e3 for n, ms in verify_ms.items()}, None if draft_ms is None else draft_ms / 1e3
+            )
         run_method(decoder, prompts[:1], spec)  # warm-up: graphs of the sizes this method feeds
         run = run_method(decoder, prompts, spec)
         run["predicted_tokens_per_s"] = predicted(run, {int(k): v for k, v in verify_ms.items()}, draft_ms)
@@ -645,61 +746,97 @@ def eagle3(plan: Plan, device: torch.device) -> dict:
 
 def markdown(data: dict) -> str:
     env = data.get("environment", {})
-    lines = [f"# specgen GPU check: {env.get('gpu', env.get('device', '?'))}", "",
-             f"torch {env.get('torch')}, transformers {env.get('transformers')}, bitsandbytes "
-             f"{env.get('bitsandbytes', 'absent')}, torchao {env.get('torchao', 'absent')}; copy bandwidth "
-             f"{env.get('copy_bandwidth_gbs')} GB/s{' (smoke run: tiny shapes)' if env.get('smoke') else ''}.", ""]
+    lines = [
+        f"# specgen GPU check: {env.get('gpu', env.get('device', '?'))}",
+        "",
+        f"torch {env.get('torch')}, transformers {env.get('transformers')}, bitsandbytes "
+        f"{env.get('bitsandbytes', 'absent')}, torchao {env.get('torchao', 'absent')}; copy bandwidth "
+        f"{env.get('copy_bandwidth_gbs')} GB/s{' (smoke run: tiny shapes)' if env.get('smoke') else ''}.",
+        "",
+    ]
     for stage, error in data.get("errors", {}).items():
         lines.append(f"- {stage}: {error.splitlines()[0] if error else ''}")
     correct = data.get("correctness", {})
     for check in correct.get("float32_greedy", []):
-        lines.append(f"- float32 greedy, {'graphs' if check['graphs'] else 'eager'}{', fused' if check.get('fused') else ''}, "
-                     f"{'tree' if check['tree'] else 'chain'}: "
-                     f"{check['equal']}/{check['prompts']} equal to transformers' generate")
+        lines.append(
+            f"- float32 greedy, {'graphs' if check['graphs'] else 'eager'}{', fused' if check.get('fused') else ''}, "
+            f"{'tree' if check['tree'] else 'chain'}: "
+            f"{check['equal']}/{check['prompts']} equal to transformers' generate"
+        )
     if "bfloat16_divergences" in correct:
         found = correct["bfloat16_divergences"]["divergences"]
-        lines.append(f"- bfloat16: {len(found)} divergence(s) in {correct['bfloat16_divergences']['prompts']} prompts"
-                     + "".join(f"; {d['kind']} at {d['position']} (gap {d['gap']})" for d in found))
+        lines.append(
+            f"- bfloat16: {len(found)} divergence(s) in {correct['bfloat16_divergences']['prompts']} prompts"
+            + "".join(f"; {d['kind']} at {d['position']} (gap {d['gap']})" for d in found)
+        )
     if "sampled" in correct:
         s = correct["sampled"]
-        lines.append(f"- sampled, first two tokens' joint: p = {s['pvalue']:.3g} over {s['draws']} draws "
-                     f"({'pass' if s['passed'] else 'FAIL'})")
+        lines.append(
+            f"- sampled, first two tokens' joint: p = {s['pvalue']:.3g} over {s['draws']} draws "
+            f"({'pass' if s['passed'] else 'FAIL'})"
+        )
     for fmt, p in data.get("profile", {}).items():
         for unit in ("pass", "loop_step"):
             if p and unit in p:
                 u = p[unit]
-                lines.append(f"- profile, {fmt} ({p['backend']}), per {unit.replace('_', ' ')}: {u['kernels']:.0f} kernels, "
-                             f"GPU busy {u['gpu_busy_ms']} ms, wall {u['wall_ms']} ms"
-                             + (f", host {u['host_ms']} ms" if "host_ms" in u else f", {u['cpu_ops']:.0f} CPU ops"))
+                lines.append(
+                    f"- profile, {fmt} ({p['backend']}), per {unit.replace('_', ' ')}: {u['kernels']:.0f} kernels, "
+                    f"GPU busy {u['gpu_busy_ms']} ms, wall {u['wall_ms']} ms"
+                    + (f", host {u['host_ms']} ms" if "host_ms" in u else f", {u['cpu_ops']:.0f} CPU ops")
+                )
     fused = data.get("fusion", {})
     if "fused" in fused:
-        lines.append(f"- q/k/v and gate/up fused (bf16, {fused['layers']} layers, {fused['reserved_gb_added']} GB more reserved), "
-                     "pass ms unfused -> fused: "
-                     + ", ".join(f"{n} tokens {fused['unfused'][n]} -> {fused['fused'][n]} ({fused['fused_over_unfused'][n]:.2f}x)"
-                                 for n in fused["fused"]))
+        lines.append(
+            f"- q/k/v and gate/up fused (bf16, {fused['layers']} layers, "
+            f"{fused['reserved_gb_added']} GB more reserved), "
+            "pass ms unfused -> fused: "
+            + ", ".join(
+                f"{n} tokens {fused['unfused'][n]} -> {fused['fused'][n]} ({fused['fused_over_unfused'][n]:.2f}x)"
+                for n in fused["fused"]
+            )
+        )
     lines.append("")
     for fmt, rows in data.get("pass_costs", {}).items():
         if "error" in rows:
             lines.append(f"- {fmt}: {rows['error'].splitlines()[0]}")
             continue
         sizes = list(next(iter(rows["contexts"].values()))["ms"])
-        lines += [f"## pass costs, {fmt} ({rows['weight_bytes'] / 1e9:.2f} GB read per pass"
-                  + (f"; one-token pass at {100 * rows['share_of_memory_limit']:.0f}% of the memory limit"
-                     if "share_of_memory_limit" in rows else "") + ")", "",
-                  "| context | " + " | ".join(str(s) for s in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+        lines += [
+            f"## pass costs, {fmt} ({rows['weight_bytes'] / 1e9:.2f} GB read per pass"
+            + (
+                f"; one-token pass at {100 * rows['share_of_memory_limit']:.0f}% of the memory limit"
+                if "share_of_memory_limit" in rows
+                else ""
+            )
+            + ")",
+            "",
+            "| context | " + " | ".join(str(s) for s in sizes) + " |",
+            "|---" * (len(sizes) + 1) + "|",
+        ]
         for context, row in rows["contexts"].items():
             lines.append(f"| {context}, ms | " + " | ".join(f"{row['ms'][s]:.2f}" for s in sizes) + " |")
             lines.append(f"| {context}, x 1 | " + " | ".join(f"{row['ratio_to_one'][s]:.2f}" for s in sizes) + " |")
-        lines += ["", "draft token: " + ", ".join(f"{k} {v} ms" for k, v in rows["draft_token_ms"].items())
-                  + ("; drafting 4 (per token, chain on the device / pass by pass): "
-                     + ", ".join(f"{k} {v['device']} / {v['host']} ms" for k, v in rows["draft_chain_ms"].items())
-                     if rows.get("draft_chain_ms") else "")
-                  + f"; captures and compiles: {rows['setup_seconds']} s"
-                  + "".join(f"; {key}: {rows[key].splitlines()[0]}" for key in ("graphs_error", "compile_error") if rows[key]),
-                  ""]
+        lines += [
+            "",
+            "draft token: "
+            + ", ".join(f"{k} {v} ms" for k, v in rows["draft_token_ms"].items())
+            + (
+                "; drafting 4 (per token, chain on the device / pass by pass): "
+                + ", ".join(f"{k} {v['device']} / {v['host']} ms" for k, v in rows["draft_chain_ms"].items())
+                if rows.get("draft_chain_ms")
+                else ""
+            )
+            + f"; captures and compiles: {rows['setup_seconds']} s"
+            + "".join(
+                f"; {key}: {rows[key].splitlines()[0]}" for key in ("graphs_error", "compile_error") if rows[key]
+            ),
+            "",
+        ]
     peer_runs = data.get("peers", {})
     for name, run in peer_runs.items():
-        lines.append(f"- {name} (bf16): " + (run["error"].splitlines()[0] if "error" in run else f"{run['tokens_per_s']} tok/s"))
+        lines.append(
+            f"- {name} (bf16): " + (run["error"].splitlines()[0] if "error" in run else f"{run['tokens_per_s']} tok/s")
+        )
     plain = data.get("speed", {}).get("bf16", {}).get("specgen-plain", {}).get("tokens_per_s")
     compiled = peer_runs.get("hf-static-compile", {}).get("tokens_per_s")
     if plain and compiled:
@@ -709,8 +846,12 @@ def markdown(data: dict) -> str:
         if "error" in runs:
             lines.append(f"- speed {fmt}: {runs['error'].splitlines()[0]}")
             continue
-        lines += [f"## tokens/s, {fmt}", "", "| method | tok/s | tokens/step | acceptance | of predicted |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            f"## tokens/s, {fmt}",
+            "",
+            "| method | tok/s | tokens/step | acceptance | of predicted |",
+            "|---|---|---|---|---|",
+        ]
         for name, run in runs.items():
             if not isinstance(run, dict):
                 continue
@@ -718,22 +859,31 @@ def markdown(data: dict) -> str:
                 lines.append(f"| {name} | {run['error'][:60]} | | | |")
                 continue
             share = run.get("share_of_predicted")
-            lines.append(f"| {name} | {run['tokens_per_s']} | {run.get('tokens_per_step', '')} | "
-                         f"{run.get('acceptance', '')} | {'' if share is None else f'{100 * share:.0f}%'} |")
+            lines.append(
+                f"| {name} | {run['tokens_per_s']} | {run.get('tokens_per_step', '')} | "
+                f"{run.get('acceptance', '')} | {'' if share is None else f'{100 * share:.0f}%'} |"
+            )
         lines.append("")
     proj = data.get("projection", {})
     if proj:
-        lines += ["## projection: the real pair on this GPU", "",
-                  f"Qwen2.5-Coder 1.5B/0.5B shapes (random weights) timed here; the real pair's greedy acceptance "
-                  f"replayed from {proj.get('traces')} (CPU, float32). A projection, not a measurement.", "",
-                  "| target format | plain tok/s | best k | tok/s | x plain | k 4 x plain |", "|---|---|---|---|---|---|"]
+        lines += [
+            "## projection: the real pair on this GPU",
+            "",
+            f"Qwen2.5-Coder 1.5B/0.5B shapes (random weights) timed here; the real pair's greedy acceptance "
+            f"replayed from {proj.get('traces')} (CPU, float32). A projection, not a measurement.",
+            "",
+            "| target format | plain tok/s | best k | tok/s | x plain | k 4 x plain |",
+            "|---|---|---|---|---|---|",
+        ]
         for fmt, row in proj.items():
             if isinstance(row, dict) and "error" in row:
                 lines.append(f"| {fmt} | {row['error'][:60]} | | | | |")
             elif isinstance(row, dict):
                 best = row["k"][row["best_k"]]
-                lines.append(f"| {fmt} | {row['plain_tokens_per_s']} | {row['best_k']} | {best['tokens_per_s']} | "
-                             f"{best['speedup']:.2f} | {row['k'][4]['speedup']:.2f} |")
+                lines.append(
+                    f"| {fmt} | {row['plain_tokens_per_s']} | {row['best_k']} | {best['tokens_per_s']} | "
+                    f"{best['speedup']:.2f} | {row['k'][4]['speedup']:.2f} |"
+                )
         lines.append("")
     from gpu_heads import markdown as eagle3_lines
 
@@ -753,7 +903,8 @@ def staged(report: Report, name: str, seconds: float, work: Callable[[Clock], An
     except Exception as error:  # noqa: BLE001 - one stage's failure must not lose the others
         log(f"{name}: {type(error).__name__}: {error}")
         report.data.setdefault("errors", {})[name] = (
-            str(error) if isinstance(error, OutOfTime) else f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+            str(error) if isinstance(error, OutOfTime) else f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+        )
         value = None
     report.data.setdefault("stage_seconds", {})[name] = round(time.perf_counter() - began, 1)
     report.save()
@@ -766,10 +917,16 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (CI): the same stages in seconds")
     parser.add_argument("--device", default=None, help="default: cuda, or cpu with --smoke")
     parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 420; smoke 100)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="a tokenizer folder to detokenize with, as users' runs do (default: ids as numbers)")
-    parser.add_argument("--formats", default=None,
-                        help=f"weight formats to time, comma-separated, bf16 first (default {','.join(FORMATS)}; smoke bf16)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer folder to detokenize with, as users' runs do (default: ids as numbers)",
+    )
+    parser.add_argument(
+        "--formats",
+        default=None,
+        help=f"weight formats to time, comma-separated, bf16 first (default {','.join(FORMATS)}; smoke bf16)",
+    )
     args = parser.parse_args()
     plan = SMOKE if args.smoke else REAL
     device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
@@ -793,8 +950,9 @@ def main() -> int:
 
     env = staged(report, "environment", share("environment"), lambda clock: environment(device, args.smoke)) or {}
     report.data["environment"] = env
-    report.data["correctness"] = staged(report, "correctness", share("correctness"),
-                                        lambda clock: correctness(plan, device, text, clock)) or {}
+    report.data["correctness"] = (
+        staged(report, "correctness", share("correctness"), lambda clock: correctness(plan, device, text, clock)) or {}
+    )
     report.data["pass_costs"], report.data["speed"], report.data["profile"] = {}, {}, {}
     drafts = {"self": None, "0.5b": build_draft(plan, device, torch.bfloat16)}
     fuse_projections(drafts["0.5b"])  # a bf16 draft, loaded fused on CUDA
@@ -805,9 +963,15 @@ def main() -> int:
 
     bandwidth = env.get("copy_bandwidth_gbs", 0.0) if device.type == "cuda" else 0.0
     if TRACES.is_file():
-        report.data["projection"] = staged(report, "projection", share("projection"),
-                                           lambda clock: projection(plan, device, clock, drafts["0.5b"],
-                                                                    ("bf16", "int4", "nf4"))) or {}
+        report.data["projection"] = (
+            staged(
+                report,
+                "projection",
+                share("projection"),
+                lambda clock: projection(plan, device, clock, drafts["0.5b"], ("bf16", "int4", "nf4")),
+            )
+            or {}
+        )
     for index, fmt in enumerate(formats):
         left = budget - (time.perf_counter() - started)
         if left < 10:
@@ -829,17 +993,30 @@ def main() -> int:
         if fmt.removesuffix("+compile") == "bf16":  # dense weights: fused on load, as the product does
             fuse_projections(drafts["self"])
             if fmt == "bf16":
-                report.data["fusion"] = staged(report, "fusion", share("fusion"),
-                                               lambda clock: fusion(plan, device, clock, target)) or {}
+                report.data["fusion"] = (
+                    staged(report, "fusion", share("fusion"), lambda clock: fusion(plan, device, clock, target)) or {}
+                )
             fuse_projections(target)  # (a no-op where the stage fused it)
         if index == 0 or compiled(fmt):
-            report.data["profile"][fmt] = staged(report, f"profile {fmt}", share("profile"),
-                                                 lambda clock: profile(plan, device, clock, target, fmt)) or {}
-        costs = staged(report, f"pass_costs {fmt}", per_format * 0.4,
-                       lambda clock: pass_costs(plan, device, clock, target, drafts, fmt, bandwidth))
+            report.data["profile"][fmt] = (
+                staged(
+                    report, f"profile {fmt}", share("profile"), lambda clock: profile(plan, device, clock, target, fmt)
+                )
+                or {}
+            )
+        costs = staged(
+            report,
+            f"pass_costs {fmt}",
+            per_format * 0.4,
+            lambda clock: pass_costs(plan, device, clock, target, drafts, fmt, bandwidth),
+        )
         report.data["pass_costs"][fmt] = costs or {"error": report.data.get("errors", {}).get(f"pass_costs {fmt}", "")}
-        runs = staged(report, f"speed {fmt}", per_format * 0.6,
-                      lambda clock: speed(plan, device, clock, text, target, drafts, costs or {}, fmt))
+        runs = staged(
+            report,
+            f"speed {fmt}",
+            per_format * 0.6,
+            lambda clock: speed(plan, device, clock, text, target, drafts, costs or {}, fmt),
+        )
         report.data["speed"][fmt] = runs or {"error": report.data.get("errors", {}).get(f"speed {fmt}", "")}
         report.save()
         target = None  # (not `del`: the stages' lambdas above name it)

@@ -26,8 +26,15 @@ from speccli.drafters.heads import EagleDrafter
 from speccli.models.published_heads import default_feature_layers
 
 # Llama-3.1-8B-Instruct, and yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's head (one layer, 32,000 draft ids).
-LLAMA31_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                  intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+LLAMA31_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
 DRAFT_VOCAB = 32000
 SIZES = (1, 8, 16)
 
@@ -35,11 +42,17 @@ SIZES = (1, 8, 16)
 def head_config(shape: dict, draft_vocab: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
-                       num_attention_heads=shape["num_attention_heads"],
-                       num_key_value_heads=shape["num_key_value_heads"], vocab_size=shape["vocab_size"],
-                       draft_vocab_size=draft_vocab, rms_norm_eps=1e-5, rope_theta=500000.0,
-                       max_position_embeddings=8192)
+    return LlamaConfig(
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        vocab_size=shape["vocab_size"],
+        draft_vocab_size=draft_vocab,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    )
 
 
 def timed(device: torch.device, work, repeats: int) -> float:
@@ -56,8 +69,9 @@ def timed(device: torch.device, work, repeats: int) -> float:
     return statistics.median(seconds)
 
 
-def eagle3_costs(target, shape: dict, device: torch.device, context: int, draft_vocab: int = DRAFT_VOCAB,
-                 repeats: int = 10) -> dict[str, Any]:
+def eagle3_costs(
+    target, shape: dict, device: torch.device, context: int, draft_vocab: int = DRAFT_VOCAB, repeats: int = 10
+) -> dict[str, Any]:
     """Pass and draft-step costs of `target` (a random model of `shape`, bfloat16) with an
     EAGLE-3 head of the matching shape."""
     layers = default_feature_layers(shape["num_hidden_layers"])
@@ -69,8 +83,14 @@ def eagle3_costs(target, shape: dict, device: torch.device, context: int, draft_
     torch.manual_seed(0)
     head = Eagle3Head(head_config(shape, draft_vocab)).to(device, torch.bfloat16)
     vocab = DraftVocab(torch.arange(draft_vocab), shape["vocab_size"])
-    drafter = EagleDrafter(head, vocab, target.get_input_embeddings(), torch.nn.Sequential(head.norm, head.lm_head),
-                           dtype=torch.bfloat16, feature_layers=layers)
+    drafter = EagleDrafter(
+        head,
+        vocab,
+        target.get_input_embeddings(),
+        torch.nn.Sequential(head.norm, head.lm_head),
+        dtype=torch.bfloat16,
+        feature_layers=layers,
+    )
     ids = torch.randint(0, shape["vocab_size"], (context,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         lm.forward(ids[:-1], all_logits=False)
@@ -111,8 +131,10 @@ def markdown(row: dict) -> list[str]:
     sizes = list(row["verify_ms"])
     return [
         f"## EAGLE-3 head on a {row['target_shape']} target (random weights, bf16, features of layers "
-        f"{row['feature_layers']} kept)", "",
-        "| fed tokens | " + " | ".join(str(s) for s in sizes) + " |", "|---" * (len(sizes) + 1) + "|",
+        f"{row['feature_layers']} kept)",
+        "",
+        "| fed tokens | " + " | ".join(str(s) for s in sizes) + " |",
+        "|---" * (len(sizes) + 1) + "|",
         "| target pass, ms | " + " | ".join(f"{row['verify_ms'][s]:.2f}" for s in sizes) + " |",
         "| x 1 token (asked: <= 1.15 at 8-16) | " + " | ".join(f"{row['verify_ratio'][s]:.2f}" for s in sizes) + " |",
         "",

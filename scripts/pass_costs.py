@@ -44,11 +44,17 @@ def main() -> int:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--sizes", default="1,2,3,4,6,8,12,16,17,24,32,48,64",
-                        help="comma-separated numbers of tokens fed (1 is always timed: the ratios need it)")
+    parser.add_argument(
+        "--sizes",
+        default="1,2,3,4,6,8,12,16,17,24,32,48,64",
+        help="comma-separated numbers of tokens fed (1 is always timed: the ratios need it)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--compare-stock", action="store_true",
-                        help="also time the curve, and one-token passes in pairs, with PyTorch's stock linear kernels")
+    parser.add_argument(
+        "--compare-stock",
+        action="store_true",
+        help="also time the curve, and one-token passes in pairs, with PyTorch's stock linear kernels",
+    )
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     try:
@@ -61,38 +67,61 @@ def main() -> int:
     print(f"machine: {cpu_name()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}", file=sys.stderr)
     results = []
     for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
-        loaded = load_model(args.model, LoadConfig(device=args.device, dtype=dtype),
-                            progress=lambda message: print(message, file=sys.stderr))
+        loaded = load_model(
+            args.model,
+            LoadConfig(device=args.device, dtype=dtype),
+            progress=lambda message: print(message, file=sys.stderr),
+        )
         lm = causal_lm(loaded)
         costs = measure_costs(lm, None, max(sizes), repeats=args.repeats, sizes=sizes)
         print(f"\n{loaded.describe()} [{backend_label(lm)}]")
         print_curve(sizes, costs.verify_seconds)
-        result = {"dtype": dtype, "model": loaded.describe(), "backend": backend_label(lm), "linear": loaded.linear,
-                  "verify_seconds": {str(n): costs.verify_seconds[n] for n in sizes}}
+        result = {
+            "dtype": dtype,
+            "model": loaded.describe(),
+            "backend": backend_label(lm),
+            "linear": loaded.linear,
+            "verify_seconds": {str(n): costs.verify_seconds[n] for n in sizes},
+        }
         if args.compare_stock and loaded.linear != "stock":
             set_cpu_linear(loaded.model, loaded.linear, enabled=False)
             stock = measure_costs(lm, None, max(sizes), repeats=args.repeats, sizes=sizes)
             print("PyTorch's stock linear kernels:")
             print_curve(sizes, stock.verify_seconds)
             ratios, own, plain = one_token_pairs(lm, loaded, 3 * args.repeats)
-            print(f"one-token pass, {len(ratios)} adjacent pairs: specgen's kernels {1000 * statistics.median(own):.0f} ms,"
-                  f" stock {1000 * statistics.median(plain):.0f} ms (medians); specgen's / stock: median"
-                  f" {statistics.median(ratios):.2f}, {min(ratios):.2f}-{max(ratios):.2f}")
+            print(
+                f"one-token pass, {len(ratios)} adjacent pairs: specgen's kernels"
+                f" {1000 * statistics.median(own):.0f} ms,"
+                f" stock {1000 * statistics.median(plain):.0f} ms (medians); specgen's / stock: median"
+                f" {statistics.median(ratios):.2f}, {min(ratios):.2f}-{max(ratios):.2f}"
+            )
             result["stock_verify_seconds"] = {str(n): stock.verify_seconds[n] for n in sizes}
             result["one_token_pairs"] = {"specgen_seconds": own, "stock_seconds": plain, "ratios": ratios}
             if loaded.stock_rows:
                 side_by_side = kernel_choices(lm, loaded.model, sizes, args.repeats)
                 print_choices(sizes, side_by_side)
-                result["kernel_choices"] = {name: {str(n): seconds[n] for n in sizes}
-                                            for name, seconds in side_by_side.items()}
+                result["kernel_choices"] = {
+                    name: {str(n): seconds[n] for n in sizes} for name, seconds in side_by_side.items()
+                }
         results.append(result)
         del lm, loaded
     if args.json_out:
-        args.json_out.write_text(json.dumps({
-            "model": args.model, "repeats": args.repeats, "results": results,
-            "environment": {"cpu": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
-                            "threads": torch.get_num_threads()},
-        }, indent=2))
+        args.json_out.write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "repeats": args.repeats,
+                    "results": results,
+                    "environment": {
+                        "cpu": cpu_name(),
+                        "python": platform.python_version(),
+                        "torch": torch.__version__,
+                        "threads": torch.get_num_threads(),
+                    },
+                },
+                indent=2,
+            )
+        )
     return 0
 
 
@@ -127,7 +156,7 @@ def kernel_choices(lm, model, sizes: list[int], rounds: int) -> dict[str, dict[i
             for name in KERNEL_CHOICES if round_ % 2 else reversed(KERNEL_CHOICES):
                 use(name)
                 started = time.perf_counter()
-                lm.forward(context[CONTEXT_TOKENS:CONTEXT_TOKENS + n])
+                lm.forward(context[CONTEXT_TOKENS : CONTEXT_TOKENS + n])
                 if round_:
                     times[name][n].append(time.perf_counter() - started)
                 lm.rollback(CONTEXT_TOKENS)

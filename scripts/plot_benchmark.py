@@ -35,9 +35,12 @@ def plot(results: list[dict], out: Path) -> None:
         plain = run["median_tokens_per_second"]["hf-plain"]
         ax.axhline(plain, color="grey", linewidth=0.8, linestyle="--")
         kernels = ", specgen's float32 linear layers on oneDNN" if "oneDNN" in run.get("specgen_target", "") else ""
-        ax.set_title(f"{run['dtype']}: {result['target']} target, {result['draft']} draft, greedy,"
-                     f" {result['max_new_tokens']} new tokens, {result['date'][:16]}{kernels}"
-                     " (dashed: median of hf-plain)", fontsize=10)
+        ax.set_title(
+            f"{run['dtype']}: {result['target']} target, {result['draft']} draft, greedy,"
+            f" {result['max_new_tokens']} new tokens, {result['date'][:16]}{kernels}"
+            " (dashed: median of hf-plain)",
+            fontsize=10,
+        )
         ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
         ax.legend(fontsize=8, ncol=len(methods), loc="upper left")
     fig.tight_layout()

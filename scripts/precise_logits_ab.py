@@ -79,10 +79,17 @@ def main() -> int:
     for method in ("plain", "speculative"):
         ratios = [r[method]["precise"] / r[method]["coarse"] for r in rows]
         summary[method] = {"median": statistics.median(ratios), "geomean": geomean(ratios)}
-        print(f"{method}: precise / {args.dtype} logits median {summary[method]['median']:.3f}x,"
-              f" geomean {summary[method]['geomean']:.3f}x over {len(ratios)} prompts")
+        print(
+            f"{method}: precise / {args.dtype} logits median {summary[method]['median']:.3f}x,"
+            f" geomean {summary[method]['geomean']:.3f}x over {len(ratios)} prompts"
+        )
     if args.json_out:
-        payload = {"cpu": cpu_name(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "summary": summary}
+        payload = {
+            "cpu": cpu_name(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "rows": rows,
+            "summary": summary,
+        }
         args.json_out.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
     return 0
 

@@ -18,7 +18,8 @@ Policies:
 
 Usage:
   python scripts/replay_lookup.py benchmarks/results/benchmark-2026-12-05-amx-float32-lookahead-trees.json
-  python scripts/replay_lookup.py benchmarks/results/benchmark-2026-12-05-amx-*.json --policies by-match,pooled --json-out out.json
+  python scripts/replay_lookup.py benchmarks/results/benchmark-2026-12-05-amx-*.json \
+      --policies by-match,pooled --json-out out.json
 """
 
 from __future__ import annotations
@@ -126,8 +127,14 @@ class Replayed:
     accepted: int
 
 
-def run(decoder: SpeculativeDecoder, target: ScriptedTarget, clock: VirtualClock, prompt: list[int],
-        answer: list[int], max_new: int) -> Replayed:
+def run(
+    decoder: SpeculativeDecoder,
+    target: ScriptedTarget,
+    clock: VirtualClock,
+    prompt: list[int],
+    answer: list[int],
+    max_new: int,
+) -> Replayed:
     target.rollback(0)
     clock.now = 0.0
     tokens, steps = [], []
@@ -175,14 +182,21 @@ def replay(path: Path, policies: list[str], tokenizers: dict) -> dict:
         entry = {"prompt": row["prompt"], "tokens": base.tokens}
         for policy in policies:
             got = run(decoders[policy], target, clock, prompt, answer, data["max_new_tokens"])
-            entry[policy] = {"ratio": (got.tokens / got.seconds) / (base.tokens / base.seconds),
-                             "steps": got.steps, "drafted": got.drafted, "accepted": got.accepted}
+            entry[policy] = {
+                "ratio": (got.tokens / got.seconds) / (base.tokens / base.seconds),
+                "steps": got.steps,
+                "drafted": got.drafted,
+                "accepted": got.accepted,
+            }
         rows.append(entry)
     summary = {}
     for policy in policies:
         ratios = [r[policy]["ratio"] for r in rows]
-        summary[policy] = {"median": statistics.median(ratios), "lowest": min(ratios),
-                           "below_1": sum(r < 1.0 for r in ratios)}
+        summary[policy] = {
+            "median": statistics.median(ratios),
+            "lowest": min(ratios),
+            "below_1": sum(r < 1.0 for r in ratios),
+        }
     curve = {fed: round(seconds / costs[1], 2) for fed, seconds in sorted(costs.items())}
     return {"file": str(path), "dtype": result["dtype"], "curve": curve, "rows": rows, "summary": summary}
 
@@ -203,8 +217,10 @@ def main() -> int:
     for path in args.benchmarks:
         replayed = replay(path, policies, tokenizers)
         results.append(replayed)
-        print(f"\n{path.name} ({replayed['dtype']}; a pass over 2 tokens costs {replayed['curve'][2]}x one, "
-              f"over 16 {replayed['curve'].get(16, '?')}x)")
+        print(
+            f"\n{path.name} ({replayed['dtype']}; a pass over 2 tokens costs {replayed['curve'][2]}x one, "
+            f"over 16 {replayed['curve'].get(16, '?')}x)"
+        )
         print(f"  {'prompt':22} {'tokens':>6} " + " ".join(f"{p:>22}" for p in policies))
         for row in replayed["rows"]:
             cells = " ".join(f"{row[p]['ratio']:>8.3f} ({row[p]['drafted']:>3} drafted)" for p in policies)
@@ -212,14 +228,18 @@ def main() -> int:
         for policy in policies:
             s = replayed["summary"][policy]
             everything[policy] += [r[policy]["ratio"] for r in replayed["rows"]]
-            print(f"  {policy}: ngram / plain median {s['median']:.3f}, lowest {s['lowest']:.3f}, "
-                  f"{s['below_1']} prompts below 1.0")
+            print(
+                f"  {policy}: ngram / plain median {s['median']:.3f}, lowest {s['lowest']:.3f}, "
+                f"{s['below_1']} prompts below 1.0"
+            )
     if len(results) > 1:
         print("\nall files:")
         for policy, ratios in everything.items():
-            print(f"  {policy}: median {statistics.median(ratios):.3f}, geometric mean "
-                  f"{statistics.geometric_mean(ratios):.3f}, lowest {min(ratios):.3f}, "
-                  f"{sum(r < 1.0 for r in ratios)} of {len(ratios)} prompts below 1.0")
+            print(
+                f"  {policy}: median {statistics.median(ratios):.3f}, geometric mean "
+                f"{statistics.geometric_mean(ratios):.3f}, lowest {min(ratios):.3f}, "
+                f"{sum(r < 1.0 for r in ratios)} of {len(ratios)} prompts below 1.0"
+            )
     if args.json_out:
         args.json_out.write_text(json.dumps({"results": results}, indent=1) + "\n")
     return 0

@@ -40,17 +40,45 @@ QWEN_EOS = ("<|endoftext|>", "<|im_end|>")
 
 SHAPES = {
     "real": {
-        "target": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-        "draft": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                      intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+        "target": dict(
+            hidden_size=3584,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            intermediate_size=18944,
+            vocab_size=152064,
+            tie_word_embeddings=False,
+        ),
+        "draft": dict(
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
         "self_layers": 4,
     },
     "tiny": {
-        "target": dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=128, vocab_size=152064, tie_word_embeddings=False),
-        "draft": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                      intermediate_size=64, vocab_size=151936, tie_word_embeddings=True),
+        "target": dict(
+            hidden_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=152064,
+            tie_word_embeddings=False,
+        ),
+        "draft": dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=64,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
         "self_layers": 2,
     },
 }
@@ -127,8 +155,11 @@ def make_self_draft(target, layers: int, later_scale: float, device, dtype):
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]
     draft = make_model(config, device, dtype, seed=0)
-    state = {k: v for k, v in target.state_dict().items()
-             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    state = {
+        k: v
+        for k, v in target.state_dict().items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
     draft.load_state_dict(state)
     return draft
 
@@ -153,15 +184,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, nargs="?")
     parser.add_argument("--scale", choices=sorted(SHAPES), default="real")
-    parser.add_argument("--tokenizer", default="qwen2.5-coder-0.5b",
-                        help="a tokenizer folder, or a model specgen resolves (default: the offline Qwen2.5 package)")
-    parser.add_argument("--export-tokenizer", type=Path, default=None,
-                        help="only save the tokenizer into this folder (to carry to a machine without the GGUF)")
+    parser.add_argument(
+        "--tokenizer",
+        default="qwen2.5-coder-0.5b",
+        help="a tokenizer folder, or a model specgen resolves (default: the offline Qwen2.5 package)",
+    )
+    parser.add_argument(
+        "--export-tokenizer",
+        type=Path,
+        default=None,
+        help="only save the tokenizer into this folder (to carry to a machine without the GGUF)",
+    )
     parser.add_argument("--device", default="cpu", help="where the random weights are made (cuda is much faster)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--self-layers", type=int, default=None, help="layers of the self draft (real: 4, tiny: 2)")
-    parser.add_argument("--later-scale", type=float, default=0.05,
-                        help="factor on the output projections of the target's layers past --self-layers")
+    parser.add_argument(
+        "--later-scale",
+        type=float,
+        default=0.05,
+        help="factor on the output projections of the target's layers past --self-layers",
+    )
     parser.add_argument("--logit-scale", type=float, default=8.0, help="factor on the heads' weights")
     parser.add_argument("--init-std", type=float, default=0.02)
     parser.add_argument("--max-positions", type=int, default=32768)
@@ -186,22 +228,32 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     started = time.perf_counter()
 
-    target = make_model(qwen_config(shapes["target"], tokenizer, args.max_positions, args.init_std), device, dtype,
-                        args.seed)
+    target = make_model(
+        qwen_config(shapes["target"], tokenizer, args.max_positions, args.init_std), device, dtype, args.seed
+    )
     spread_logits(target, args.logit_scale)
     self_draft = make_self_draft(target, self_layers, args.later_scale, device, dtype)
-    draft = make_model(qwen_config(shapes["draft"], tokenizer, args.max_positions, args.init_std), device, dtype,
-                       args.seed + 1)
+    draft = make_model(
+        qwen_config(shapes["draft"], tokenizer, args.max_positions, args.init_std), device, dtype, args.seed + 1
+    )
     spread_logits(draft, args.logit_scale)
     log(f"made {args.scale} models on {device} in {time.perf_counter() - started:.1f} s")
 
-    info = {"scale": args.scale, "dtype": args.dtype, "self_layers": self_layers, "later_scale": args.later_scale,
-            "logit_scale": args.logit_scale, "seed": args.seed}
+    info = {
+        "scale": args.scale,
+        "dtype": args.dtype,
+        "self_layers": self_layers,
+        "later_scale": args.later_scale,
+        "logit_scale": args.logit_scale,
+        "seed": args.seed,
+    }
     if not args.no_check:
         info["self_draft_agreement"] = agreement(target, self_draft, tokenizer, device)
         info["draft_agreement"] = agreement(target, draft, tokenizer, device)
-        log(f"greedy agreement with the target: self draft {info['self_draft_agreement']:.0%},"
-            f" independent draft {info['draft_agreement']:.0%}")
+        log(
+            f"greedy agreement with the target: self draft {info['self_draft_agreement']:.0%},"
+            f" independent draft {info['draft_agreement']:.0%}"
+        )
     for name, model in (("target", target), ("draft", draft), ("self-draft", self_draft)):
         folder = args.out / name
         model.save_pretrained(folder)

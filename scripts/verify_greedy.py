@@ -31,8 +31,12 @@ from speccli.prompts import Prompt
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompts", nargs="*", help="raw-text prompts")
-    parser.add_argument("--prompts", dest="prompt_file", type=Path,
-                        help="a .txt or .jsonl prompt file, as `specgen bench` reads it (messages through the chat template)")
+    parser.add_argument(
+        "--prompts",
+        dest="prompt_file",
+        type=Path,
+        help="a .txt or .jsonl prompt file, as `specgen bench` reads it (messages through the chat template)",
+    )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtype", default="float32")
@@ -64,13 +68,15 @@ def main() -> int:
             out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
         plain_seconds = time.perf_counter() - started
         set_cpu_linear(model, pipeline.target.linear)
-        reference = out[0, len(ids):].tolist()
+        reference = out[0, len(ids) :].tolist()
         eos = set(pipeline.target.eos_token_ids)
         cut = next((i for i, t in enumerate(reference) if t in eos), len(reference))
         reference = reference[:cut]
         for k in lengths:
             started = time.perf_counter()
-            generation = generator.stream(ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=args.max_new_tokens, tree=args.tree)).run()
+            generation = generator.stream(
+                ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=args.max_new_tokens, tree=args.tree)
+            ).run()
             seconds = time.perf_counter() - started
             tokens = generation.token_ids
             acceptance = generation.stats.acceptance_rate or 0.0
@@ -84,11 +90,14 @@ def main() -> int:
                 # A run that stopped at `position` short of the budget ended by end-of-sequence.
                 plain_ended = sorted(eos) if position == len(reference) < args.max_new_tokens else []
                 spec_ended = sorted(eos) if position == len(tokens) < args.max_new_tokens else []
-                divergence = classify(position, reference, tokens, logits, pipeline.target.dtype, plain_ended, spec_ended)
+                divergence = classify(
+                    position, reference, tokens, logits, pipeline.target.dtype, plain_ended, spec_ended
+                )
                 detail = f" {divergence.describe()}"
             print(
                 f"{'OK  ' if same else 'DIFF'} k={k} {name!r}: {len(tokens)} tokens, acceptance {acceptance:.0%},"
-                f" {generation.stats.tokens_per_step or 0:.2f} tokens/step, {generation.stats.mean_pass_size or 0:.1f} tokens/pass,"
+                f" {generation.stats.tokens_per_step or 0:.2f} tokens/step,"
+                f" {generation.stats.mean_pass_size or 0:.1f} tokens/pass,"
                 f" {seconds:.1f} s (target generate {plain_seconds:.1f} s){detail}"
             )
     print(repr(tokenizer.decode(reference)))

@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     target_config = LoadConfig(dtype=args.dtype)
     draft_config = LoadConfig(dtype=args.dtype, for_draft=True)
-    pipeline = load_pipeline(args.target, args.draft, target_config, draft_config, progress=lambda m: print(m, file=sys.stderr))
+    pipeline = load_pipeline(
+        args.target, args.draft, target_config, draft_config, progress=lambda m: print(m, file=sys.stderr)
+    )
     generator = pipeline.speculator(progress=lambda m: print(m, file=sys.stderr))
     model_drafter = generator.drafter
     runs: list[tuple[str, object, int | str]] = []
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 detail = "" if position is None else f" first difference at new token {position}"
                 acceptance = generation.stats.acceptance_rate or 0.0
                 print(
-                    f"{'OK  ' if position is None else 'DIFF'} seed={seed} {label} {prompt!r}: {len(generation.token_ids)} tokens,"
+                    f"{'OK  ' if position is None else 'DIFF'} seed={seed} {label} {prompt!r}:"
+                    f" {len(generation.token_ids)} tokens,"
                     f" acceptance {acceptance:.0%}, {seconds:.1f} s{detail}",
                     flush=True,
                 )
@@ -92,12 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         print(repr(pipeline.tokenizer.decode(reference)), flush=True)
 
     print(f"\n{checked - failures}/{checked} runs printed the plain target's sample for their seed")
-    print(f"acceptance at temperature {args.temperature}, pooled over {len(args.prompts)} prompts x {len(seeds)} seeds:")
+    print(
+        f"acceptance at temperature {args.temperature}, pooled over {len(args.prompts)} prompts x {len(seeds)} seeds:"
+    )
     for label in coupled:
         c, r = coupled[label], rejection[label]
         print(
-            f"  {label:14} coupled {c.acceptance_rate or 0:.1%} ({c.accepted}/{c.drafted}, {c.tokens_per_step or 0:.2f} tokens/step)"
-            f"   rejection {r.acceptance_rate or 0:.1%} ({r.accepted}/{r.drafted}, {r.tokens_per_step or 0:.2f} tokens/step)"
+            f"  {label:14} coupled {c.acceptance_rate or 0:.1%} ({c.accepted}/{c.drafted},"
+            f" {c.tokens_per_step or 0:.2f} tokens/step)"
+            f"   rejection {r.acceptance_rate or 0:.1%} ({r.accepted}/{r.drafted},"
+            f" {r.tokens_per_step or 0:.2f} tokens/step)"
         )
     return 1 if failures else 0
 

@@ -46,6 +46,7 @@ class LoadedPair(Protocol):
     drafter_name: str
     decoder: SpeculativeDecoder
 
+
 PROBE_SIZES = (1, 2, 4, 8)  # and the largest: what a first run times before generating
 PROBE_ROUNDS = 1
 
@@ -128,8 +129,12 @@ def calibration_identity(pipeline: LoadedPair, max_fed: int) -> dict[str, Any]:
 def draft_identity(draft: LoadedModel) -> dict[str, Any]:
     """What a draft model's measured token cost depends on: the draft as loaded, the hardware,
     the threads and the library versions (not the target: it is timed alone)."""
-    return {"format": FORMAT, "draft": _model_identity(draft), "context_tokens": CONTEXT_TOKENS,
-            **_machine_identity(draft)}
+    return {
+        "format": FORMAT,
+        "draft": _model_identity(draft),
+        "context_tokens": CONTEXT_TOKENS,
+        **_machine_identity(draft),
+    }
 
 
 def prior_identity(pipeline: LoadedPair, max_fed: int) -> dict[str, Any]:
@@ -289,9 +294,11 @@ def drop_if_overstated(
         except OSError:
             pass  # read-only cache: this session still measures again
     decoder.costs = None
-    return (f"the cached pass costs were measured on a busier machine: {found.fed}-token passes took"
-            f" {found.measured_seconds * 1000:.0f} ms, not {found.calibrated_seconds * 1000:.0f} ms;"
-            " they are measured again before the next generation")
+    return (
+        f"the cached pass costs were measured on a busier machine: {found.fed}-token passes took"
+        f" {found.measured_seconds * 1000:.0f} ms, not {found.calibrated_seconds * 1000:.0f} ms;"
+        " they are measured again before the next generation"
+    )
 
 
 def refine(
@@ -351,17 +358,23 @@ def calibrate(
     with_draft = " and one draft token" if time_draft else ""
     if costs is None:
         if refresh:
-            say(f"calibrating: timing target passes over 1-{max_fed} tokens{with_draft}"
-                f" in {ROUNDS} rounds (a minute or two on a CPU)")
-            measured = measure_costs(decoder.target, draft_model if time_draft else None, max_fed,
-                                     on_round=RoundProgress(say))
+            say(
+                f"calibrating: timing target passes over 1-{max_fed} tokens{with_draft}"
+                f" in {ROUNDS} rounds (a minute or two on a CPU)"
+            )
+            measured = measure_costs(
+                decoder.target, draft_model if time_draft else None, max_fed, on_round=RoundProgress(say)
+            )
             samples = None
         else:
             sizes = probe_sizes(max_fed)
-            say(f"calibrating: timing target passes over {', '.join(map(str, sizes))} tokens{with_draft}"
-                " (a few seconds; the other sizes are learned from the passes generating runs)")
-            measured = measure_costs(decoder.target, draft_model if time_draft else None, max_fed,
-                                     repeats=PROBE_ROUNDS, sizes=sizes)
+            say(
+                f"calibrating: timing target passes over {', '.join(map(str, sizes))} tokens{with_draft}"
+                " (a few seconds; the other sizes are learned from the passes generating runs)"
+            )
+            measured = measure_costs(
+                decoder.target, draft_model if time_draft else None, max_fed, repeats=PROBE_ROUNDS, sizes=sizes
+            )
             samples = {size: PROBE_ROUNDS for size in sizes}
         costs = CostCurve(measured.verify_seconds, None)
         _write(path, identity, costs, samples)
@@ -383,8 +396,10 @@ def calibrate(
 def describe(costs: CostCurve) -> str:
     sizes = sorted(costs.verify_seconds)
     first, last = sizes[0], sizes[-1]
-    text = (f"a target pass costs {costs.verify_seconds[first] * 1000:.0f} ms for {first} token(s),"
-            f" {costs.verify_seconds[last] * 1000:.0f} ms for {last}")
+    text = (
+        f"a target pass costs {costs.verify_seconds[first] * 1000:.0f} ms for {first} token(s),"
+        f" {costs.verify_seconds[last] * 1000:.0f} ms for {last}"
+    )
     if costs.draft_seconds is not None:
         text += f"; a draft token {costs.draft_seconds * 1000:.0f} ms"
     return text

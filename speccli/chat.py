@@ -388,7 +388,9 @@ class ChatSession:
         answer.events = self._answer_events(prompt_ids, user, regenerated, answer)
         return answer
 
-    def _answer_events(self, prompt_ids: list[int], user: str, regenerated: bool, answer: Answer) -> abc.Generator[Event, None, None]:
+    def _answer_events(
+        self, prompt_ids: list[int], user: str, regenerated: bool, answer: Answer
+    ) -> abc.Generator[Event, None, None]:
         self._check_idle()
         self._busy = True
         previous = None

@@ -44,8 +44,10 @@ def report(message: str, hint: str = "") -> None:
 
 class StdoutClosed(RuntimeFailure):
     def __init__(self) -> None:
-        super().__init__("standard output is closed: there is nowhere to write the output",
-                         "redirect it instead: > FILE, or > /dev/null to drop it")
+        super().__init__(
+            "standard output is closed: there is nowhere to write the output",
+            "redirect it instead: > FILE, or > /dev/null to drop it",
+        )
 
 
 class ClosedStdout(io.TextIOBase):

@@ -359,7 +359,9 @@ def head_drafter(
     if progress is not None:
         accuracy = heads.training.get("accuracy") or []
         shown = ", ".join(f"{100 * a:.0f}%" for a in accuracy) or "not measured"
-        progress(f"{kind} heads from {path} (trained on {heads.training.get('tokens', '?')} tokens; held-out top-1 {shown})")
+        progress(
+            f"{kind} heads from {path} (trained on {heads.training.get('tokens', '?')} tokens; held-out top-1 {shown})"
+        )
     embeddings = target_lm.input_embedding()
     dtype = embeddings.weight.dtype if embeddings.weight.dtype.is_floating_point else torch.float32
     device = embeddings.weight.device

@@ -86,9 +86,7 @@ class OutputText:
     is lost when the consumer stops in the middle of several.
     """
 
-    def __init__(
-        self, tokenizer: Detokenizer, prompt_ids: Sequence[int], stop_strings: Sequence[str]
-    ) -> None:
+    def __init__(self, tokenizer: Detokenizer, prompt_ids: Sequence[int], stop_strings: Sequence[str]) -> None:
         self._decoder = IncrementalDecoder(tokenizer, prompt_ids)
         self._stops = tuple(stop_strings)
         self._pending: list[TokenEvent] = []

@@ -91,9 +91,7 @@ def sample_at(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return (block * SAMPLE_BLOCK + torch.minimum(offset, last)).reshape(shape)
 
 
-def accept_mask(
-    p_of_draft: torch.Tensor, q_of_draft: torch.Tensor, uniform: torch.Tensor
-) -> torch.Tensor:
+def accept_mask(p_of_draft: torch.Tensor, q_of_draft: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Accept each drafted x with probability min(1, p(x)/q(x)).
 
     Written as u * q < p so that q(x) = 0 (accept whenever p(x) > 0) and p(x) = 0

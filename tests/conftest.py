@@ -28,9 +28,7 @@ def char_tokenizer(alphabet: str = PRINTABLE) -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(SPECIALS + list(dict.fromkeys(alphabet)))}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 def tiny_llama(
@@ -73,8 +71,9 @@ ON_CPU = ("--device", "cpu")
 
 
 # More positions than a pipe or a terminal holds unread characters (a pipe 64 KiB by
-# default, a Linux pseudo-terminal some tens of KiB): an answer of 100000 tokens from a never_ends() target cannot finish while the test
-# has stopped reading, so an interrupt sent then always lands inside the generation.
+# default, a Linux pseudo-terminal some tens of KiB): an answer of 100000 tokens from a
+# never_ends() target cannot finish while the test has stopped reading, so an interrupt sent
+# then always lands inside the generation.
 ENDLESS_CONTEXT = 1 << 17
 
 
@@ -172,7 +171,11 @@ def model_pairs(vocab_size: int) -> list[ModelPair]:
             "unrelated-draft",
             target_b,
             tiny_llama(
-                vocab_size, seed=12, embedding_rows=vocab_size + 7, hidden=16, layers=1,
+                vocab_size,
+                seed=12,
+                embedding_rows=vocab_size + 7,
+                hidden=16,
+                layers=1,
                 logit_scale=20.0,
             ),
         ),
@@ -213,5 +216,3 @@ def wrap_static(model: LlamaForCausalLM, **kwargs):
     from speccli.backends.static import StaticCausalLM
 
     return StaticCausalLM(model, **kwargs)
-
-

@@ -77,8 +77,9 @@ def eagle3_init(hidden: int, intermediate: int, heads: int, kv_heads: int, draft
     return {k: v.requires_grad_() for k, v in w.items()}
 
 
-def eagle3_forward(w: dict, features: torch.Tensor, embeddings: torch.Tensor, heads: int, kv_heads: int,
-                   swapped: bool = False) -> torch.Tensor:
+def eagle3_forward(
+    w: dict, features: torch.Tensor, embeddings: torch.Tensor, heads: int, kv_heads: int, swapped: bool = False
+) -> torch.Tensor:
     """Rows of [feature (3H from the target, or H: the head's own output), embedding of the
     next token] -> the layer's pre-norm output [n, H]."""
     hidden = embeddings.shape[-1]
@@ -115,8 +116,9 @@ def eagle_init(hidden: int, intermediate: int, heads: int, kv_heads: int, seed: 
     return {k: v.requires_grad_() for k, v in w.items()}
 
 
-def eagle_forward(w: dict, features: torch.Tensor, embeddings: torch.Tensor, heads: int, kv_heads: int,
-                  swapped: bool = False) -> torch.Tensor:
+def eagle_forward(
+    w: dict, features: torch.Tensor, embeddings: torch.Tensor, heads: int, kv_heads: int, swapped: bool = False
+) -> torch.Tensor:
     """Rows of [feature (post-norm, H), embedding of the next token] -> the predicted
     feature of the next token [n, H] (no input norm, no final norm: cnets1.py)."""
     hidden = embeddings.shape[-1]
@@ -174,8 +176,9 @@ def greedy(target, ids: Sequence[int], n: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def acceptance(target, prompts: Sequence[Sequence[int]], k: int, n: int,
-               draft: Callable[[list[int]], list[int]]) -> float:
+def acceptance(
+    target, prompts: Sequence[Sequence[int]], k: int, n: int, draft: Callable[[list[int]], list[int]]
+) -> float:
     """Mean tokens accepted per step, drafting k with `draft(context)` and checking the
     draft against the target's greedy continuation, n new tokens per prompt."""
     steps = accepted = 0

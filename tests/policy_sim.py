@@ -114,8 +114,18 @@ CURVES = {
     # issue 15: 404 ms for 1 token, 1003 for 2, then flat.
     "jump": Curve(
         "jump",
-        {1: 404 * MS, 2: 1003 * MS, 3: 1120 * MS, 4: 1170 * MS, 5: 1180 * MS, 6: 990 * MS, 7: 1020 * MS,
-         8: 970 * MS, 9: 1020 * MS, 17: 1020 * MS},
+        {
+            1: 404 * MS,
+            2: 1003 * MS,
+            3: 1120 * MS,
+            4: 1170 * MS,
+            5: 1180 * MS,
+            6: 990 * MS,
+            7: 1020 * MS,
+            8: 970 * MS,
+            9: 1020 * MS,
+            17: 1020 * MS,
+        },
         79 * MS,
     ),
     # a GPU with CUDA graphs: 7.6 ms for 1 token, 8.8 for 16.

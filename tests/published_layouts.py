@@ -61,8 +61,14 @@ MEDUSA_SHAPES = {  # per head h, with `layers` blocks: {h}.{l}.linear.* for l < 
 def dims(config) -> dict[str, int]:
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return {"H": hidden, "I": config.intermediate_size, "A": heads, "K": config.num_key_value_heads, "D": head_dim,
-            "V": config.vocab_size}
+    return {
+        "H": hidden,
+        "I": config.intermediate_size,
+        "A": heads,
+        "K": config.num_key_value_heads,
+        "D": head_dim,
+        "V": config.vocab_size,
+    }
 
 
 def shape_of(spec: tuple[str, ...], sizes: dict[str, int]) -> tuple[int, ...]:
@@ -153,18 +159,31 @@ def write_eagle3(
 
 def write_eagle(folder: Path, target_config, tensors: dict[str, torch.Tensor], fmt: str = "bin", **extra) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
-              "hidden_size": target_config.hidden_size, "intermediate_size": target_config.intermediate_size,
-              "num_attention_heads": target_config.num_attention_heads,
-              "num_key_value_heads": target_config.num_key_value_heads, "vocab_size": target_config.vocab_size,
-              "bias": "fc.bias" in tensors, **extra}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": target_config.hidden_size,
+        "intermediate_size": target_config.intermediate_size,
+        "num_attention_heads": target_config.num_attention_heads,
+        "num_key_value_heads": target_config.num_key_value_heads,
+        "vocab_size": target_config.vocab_size,
+        "bias": "fc.bias" in tensors,
+        **extra,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     _save(folder, tensors, fmt)
     return folder
 
 
-def write_medusa(folder: Path, tensors: dict[str, torch.Tensor], heads: int, layers: int, fmt: str = "pt",
-                 base_model: str = "tiny-target") -> Path:
+def write_medusa(
+    folder: Path,
+    tensors: dict[str, torch.Tensor],
+    heads: int,
+    layers: int,
+    fmt: str = "pt",
+    base_model: str = "tiny-target",
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config = {"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": base_model}
     (folder / "config.json").write_text(json.dumps(config))
@@ -185,8 +204,9 @@ def medusa_tensors(sizes: dict[str, int], heads: int, layers: int, seed: int, ro
         for layer in range(layers):
             out[f"{h}.{layer}.linear.weight"] = 0.3 * torch.randn(hidden, hidden, generator=generator) / hidden**0.5
             out[f"{h}.{layer}.linear.bias"] = 0.01 * torch.randn(hidden, generator=generator)
-        out[f"{h}.{layers}.weight"] = (rows.clone() if rows is not None
-                                       else torch.randn(sizes["V"], hidden, generator=generator) / hidden**0.5)
+        out[f"{h}.{layers}.weight"] = (
+            rows.clone() if rows is not None else torch.randn(sizes["V"], hidden, generator=generator) / hidden**0.5
+        )
     return out
 
 

@@ -167,9 +167,18 @@ def test_invalid_json_line(tmp_path):
         ('"a"', "line 1 must be a JSON object, not a string"),
         ('{"prompt": 3}', 'line 1: "prompt" must be a non-empty string'),
         ('{"prompt": ""}', 'line 1: "prompt" must be a non-empty string'),
-        ('{"messages": []}', 'line 1: "messages" must be a non-empty list of {"role": "...", "content": "..."} objects'),
-        ('{"messages": [{"role": "user"}]}', 'line 1: "messages" must be a non-empty list of {"role": "...", "content": "..."} objects'),
-        ('{"messages": "hi"}', 'line 1: "messages" must be a non-empty list of {"role": "...", "content": "..."} objects'),
+        (
+            '{"messages": []}',
+            'line 1: "messages" must be a non-empty list of {"role": "...", "content": "..."} objects',
+        ),
+        (
+            '{"messages": [{"role": "user"}]}',
+            'line 1: "messages" must be a non-empty list of {"role": "...", "content": "..."} objects',
+        ),
+        (
+            '{"messages": "hi"}',
+            'line 1: "messages" must be a non-empty list of {"role": "...", "content": "..."} objects',
+        ),
         ('{"prompt": "a", "name": 5}', 'line 1: "name" must be a non-empty string'),
         ('{"prompt": "a", "category": ""}', 'line 1: "category" must be a non-empty string'),
     ],
@@ -230,7 +239,10 @@ def test_encode_text_and_chat(chat_tokenizer):
 def test_chat_prompt_without_template_fails_before_any_run(tokenizer, pairs):
     calls = []
     runner = BenchRunner(
-        Speculator.over(wrap(pairs[0].target), tokenizer, [EOS]), PromptLookupDrafter, BenchSettings(), progress=calls.append
+        Speculator.over(wrap(pairs[0].target), tokenizer, [EOS]),
+        PromptLookupDrafter,
+        BenchSettings(),
+        progress=calls.append,
     )
     prompts = [BenchPrompt("ok", text="abc"), BenchPrompt("chatty", messages=({"role": "user", "content": "hi"},))]
     with pytest.raises(BenchInputError) as info:
@@ -241,7 +253,14 @@ def test_chat_prompt_without_template_fails_before_any_run(tokenizer, pairs):
 
 def test_prompt_without_tokens_is_refused(tokenizer, pairs):
     with pytest.raises(BenchInputError, match="prompt 'empty' encodes to no tokens"):
-        run_bench([BenchPrompt("empty", text="")], wrap(pairs[0].target), tokenizer, [EOS], PromptLookupDrafter, BenchSettings())
+        run_bench(
+            [BenchPrompt("empty", text="")],
+            wrap(pairs[0].target),
+            tokenizer,
+            [EOS],
+            PromptLookupDrafter,
+            BenchSettings(),
+        )
 
 
 # --------------------------------------------------------------------------- runner on tiny models
@@ -249,7 +268,7 @@ def test_prompt_without_tokens_is_refused(tokenizer, pairs):
 
 def reference_greedy(model, prompt_ids: list[int]) -> list[int]:
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW, do_sample=False, num_beams=1)
-    new = out[0, len(prompt_ids):].tolist()
+    new = out[0, len(prompt_ids) :].tolist()
     return new[: new.index(EOS)] if EOS in new else new
 
 
@@ -323,10 +342,7 @@ def test_figures_are_consistent(greedy_results):
         assert st.tokens_per_step == st.new_tokens / st.steps
         assert len(st.acceptance_by_position) == row.k
     for summary in results.by_prompt + results.by_k + [results.overall]:
-        rows = [
-            r for r in results.rows
-            if (summary.prompt in (None, r.prompt)) and (summary.k in (None, r.k))
-        ]
+        rows = [r for r in results.rows if (summary.prompt in (None, r.prompt)) and (summary.k in (None, r.k))]
         speedups = [r.speedup for r in rows]
         assert summary.rows == summary.completed == len(rows)
         assert summary.speedup.median == statistics.median(speedups)
@@ -340,7 +356,9 @@ def test_figures_are_consistent(greedy_results):
         assert summary.plain_tokens_per_second == pytest.approx(plain_tokens / plain_seconds)
         assert summary.spec_tokens_per_second == pytest.approx(spec_tokens / spec_seconds)
         assert summary.pooled_speedup == pytest.approx((spec_tokens / spec_seconds) / (plain_tokens / plain_seconds))
-        assert summary.acceptance_rate == sum(r.spec.stats.accepted for r in rows) / sum(r.spec.stats.drafted for r in rows)
+        assert summary.acceptance_rate == sum(r.spec.stats.accepted for r in rows) / sum(
+            r.spec.stats.drafted for r in rows
+        )
     assert [s.k for s in results.by_k] == [1, 3]
     assert [(s.prompt, s.k) for s in results.by_prompt] == [("fib", 1), ("fib", 3), ("abc", 1), ("abc", 3)]
     assert results.by_prompt[0].speedup.n == 2
@@ -353,7 +371,11 @@ def test_prompt_lookup_and_chat_prompts(pairs, chat_tokenizer):
         BenchPrompt("text", text="x = 1\nx = 1\nx ="),
     ]
     results = run_bench(
-        prompts, wrap(pair.target), chat_tokenizer, [EOS], PromptLookupDrafter,
+        prompts,
+        wrap(pair.target),
+        chat_tokenizer,
+        [EOS],
+        PromptLookupDrafter,
         BenchSettings(max_new_tokens=MAX_NEW, ks=(2,), warmup=False),
     )
     assert len(results.rows) == 2 and results.errors == []
@@ -401,7 +423,11 @@ def test_broken_speculative_path_is_reported_as_a_mismatch(pairs, tokenizer):
     prompt_len = len(tokenizer(prompt.text)["input_ids"])
     target = PerturbedVerification(wrap(pair.target), after=prompt_len + 4)
     results = run_bench(
-        [prompt], target, tokenizer, [EOS], lambda: ModelDrafter(wrap(pair.draft), len(tokenizer)),
+        [prompt],
+        target,
+        tokenizer,
+        [EOS],
+        lambda: ModelDrafter(wrap(pair.draft), len(tokenizer)),
         BenchSettings(max_new_tokens=MAX_NEW, ks=(2,), repeat=2),
     )
     reference = reference_greedy(pair.target, tokenizer(prompt.text)["input_ids"])
@@ -432,7 +458,9 @@ class SplitAt(TargetDouble):
     pass's shape (a near-tie, rescored_gap small) or for a faulty verification (a mismatch,
     rescored_gap wide)."""
 
-    def __init__(self, inner, prompt_len: int, position: int, first: int, second: int, lead: float, rescored_gap: float):
+    def __init__(
+        self, inner, prompt_len: int, position: int, first: int, second: int, lead: float, rescored_gap: float
+    ):
         super().__init__(inner)
         self.at = prompt_len + position  # the context length whose next token is new token `position`
         self.first, self.second = first, second
@@ -460,10 +488,17 @@ def split_bench(pair, tokenizer, dtype, rescored_gap):
     position = 3
     first = reference_greedy(pair.target, prompt_ids)[position]
     second = next(t for t in (first + 1, first + 2) if t != EOS)
-    target = SplitAt(wrap(pair.target), len(prompt_ids), position, first, second, lead=0.0625, rescored_gap=rescored_gap)
+    target = SplitAt(
+        wrap(pair.target), len(prompt_ids), position, first, second, lead=0.0625, rescored_gap=rescored_gap
+    )
     results = run_bench(
-        [prompt], target, tokenizer, [EOS], lambda: ModelDrafter(wrap(pair.draft), len(tokenizer)),
-        BenchSettings(max_new_tokens=MAX_NEW, ks=(2,), warmup=False), dtype=dtype,
+        [prompt],
+        target,
+        tokenizer,
+        [EOS],
+        lambda: ModelDrafter(wrap(pair.draft), len(tokenizer)),
+        BenchSettings(max_new_tokens=MAX_NEW, ks=(2,), warmup=False),
+        dtype=dtype,
     )
     (row,) = results.rows
     assert row.plain.token_ids[position] == first and row.spec.token_ids[position] == second
@@ -482,13 +517,20 @@ def test_a_divergence_at_a_bfloat16_tie_is_a_near_tie_and_not_an_error(pairs, to
     assert (overall.identical, overall.near_ties, overall.mismatches, overall.errors) == (0, 1, 0, 0)
     assert overall.speedup.n == 1  # a near-tie row keeps its place in the speed-up
     assert "greedy: 0 identical, 1 near-ties, 0 mismatches" in bench_report.headline(results)
-    assert bench_report.near_tie_lines(results) == [f"fib k=2 repeat 1: near-tie at token {position} (gap 0.000, bfloat16)"]
+    assert bench_report.near_tie_lines(results) == [
+        f"fib k=2 repeat 1: near-tie at token {position} (gap 0.000, bfloat16)"
+    ]
     data = json.loads(bench_report.to_json(results))
     assert data["overall"]["near_ties"] == 1 and data["overall"]["mismatches"] == 0
     assert data["rows"][0]["check"] == "near-tie"
     assert data["rows"][0]["divergence"] == {
-        "kind": "near-tie", "position": position, "plain_token": row.plain.token_ids[position],
-        "speculative_token": row.spec.token_ids[position], "gap": 0.0, "tolerance": 0.25, "dtype": "bfloat16",
+        "kind": "near-tie",
+        "position": position,
+        "plain_token": row.plain.token_ids[position],
+        "speculative_token": row.spec.token_ids[position],
+        "gap": 0.0,
+        "tolerance": 0.25,
+        "dtype": "bfloat16",
     }
 
 
@@ -514,8 +556,12 @@ class ExplodingDrafter(PromptLookupDrafter):
 def test_a_failing_run_becomes_an_error_row_and_the_bench_goes_on(pairs, tokenizer):
     drafters = iter([ExplodingDrafter(), PromptLookupDrafter()])
     results = run_bench(
-        [BenchPrompt("a", text="hello"), BenchPrompt("b", text="world")], wrap(pairs[0].target), tokenizer, [EOS],
-        lambda: next(drafters), BenchSettings(max_new_tokens=MAX_NEW, ks=(1,), warmup=False),
+        [BenchPrompt("a", text="hello"), BenchPrompt("b", text="world")],
+        wrap(pairs[0].target),
+        tokenizer,
+        [EOS],
+        lambda: next(drafters),
+        BenchSettings(max_new_tokens=MAX_NEW, ks=(1,), warmup=False),
     )
     failed, ok = results.rows
     assert failed.error == "speculative decoding failed: RuntimeError: boom"
@@ -530,8 +576,12 @@ def test_seeded_sampling_rows_share_a_seed_and_print_the_plain_sample(pairs, tok
         sampling=SamplingConfig(temperature=1.0, seed=3), max_new_tokens=MAX_NEW, ks=(2, "auto"), repeat=2, warmup=False
     )
     results = run_bench(
-        [BenchPrompt("a", text="hello")], wrap(pair.target), tokenizer, [EOS],
-        lambda: ModelDrafter(wrap(pair.draft), len(tokenizer)), settings,
+        [BenchPrompt("a", text="hello")],
+        wrap(pair.target),
+        tokenizer,
+        [EOS],
+        lambda: ModelDrafter(wrap(pair.draft), len(tokenizer)),
+        settings,
     )
     # Sampling rows are not compared (in bfloat16 rounding makes seeded runs diverge at
     # near-ties far more often than greedy ones), but with a seed sampling is coupled:
@@ -553,8 +603,10 @@ def test_interrupted_run_keeps_the_rows_so_far(pairs, tokenizer):
             raise KeyboardInterrupt
 
     runner = BenchRunner(
-        Speculator.over(wrap(pairs[0].target), tokenizer, [EOS]), PromptLookupDrafter,
-        BenchSettings(max_new_tokens=4, ks=(1, 2), repeat=3, warmup=False), stop_after_two,
+        Speculator.over(wrap(pairs[0].target), tokenizer, [EOS]),
+        PromptLookupDrafter,
+        BenchSettings(max_new_tokens=4, ks=(1, 2), repeat=3, warmup=False),
+        stop_after_two,
     )
     with pytest.raises(KeyboardInterrupt):
         runner.run([BenchPrompt("a", text="hello")])
@@ -568,8 +620,15 @@ def test_interrupted_run_keeps_the_rows_so_far(pairs, tokenizer):
 
 def fixed_run(tokens: int, seconds: float, drafted: int = 0, accepted: int = 0, steps: int | None = None) -> RunResult:
     stats = GenerationStats(
-        prompt_tokens=5, new_tokens=tokens, steps=steps or tokens, drafted=drafted, accepted=accepted,
-        fed=drafted + (steps or tokens), verify_seconds=seconds, total_seconds=seconds + 0.5, finish_reason="length",
+        prompt_tokens=5,
+        new_tokens=tokens,
+        steps=steps or tokens,
+        drafted=drafted,
+        accepted=accepted,
+        fed=drafted + (steps or tokens),
+        verify_seconds=seconds,
+        total_seconds=seconds + 0.5,
+        finish_reason="length",
     )
     if drafted:
         stats.drafted_at, stats.accepted_at = [drafted // 2, drafted // 2], [accepted // 2, accepted - accepted // 2]
@@ -583,8 +642,19 @@ def fixed_results() -> BenchResults:
         BenchRow("p|1", "code", 2, 1, 5, False, fixed_run(10, 1.0), fixed_run(10, 1.0, 8, 2, 8), True),
         # prompt "q", k=2: speed-up 4.0, and a failed row
         BenchRow("q", None, 2, 0, 5, True, fixed_run(20, 2.0), fixed_run(20, 0.5, 12, 10, 8), True),
-        BenchRow("q", None, 2, 1, 5, False, fixed_run(20, 2.0), None, None, None,
-                 "speculative decoding failed: RuntimeError: boom"),
+        BenchRow(
+            "q",
+            None,
+            2,
+            1,
+            5,
+            False,
+            fixed_run(20, 2.0),
+            None,
+            None,
+            None,
+            "speculative decoding failed: RuntimeError: boom",
+        ),
     ]
     return BenchResults(BenchSettings(max_new_tokens=20, ks=(2,), repeat=2), rows, {"target": "t"})
 
@@ -737,9 +807,11 @@ def _benchmark_script():
 
 def test_benchmark_keeps_the_fastest_of_repeated_runs():
     fastest_run = _benchmark_script().fastest_run
-    runs = [{"tokens": [1, 2], "seconds": 3.0, "passes": {1: 2}},
-            {"tokens": [1, 2], "seconds": 2.0, "passes": {2: 1}},
-            {"tokens": [1, 2], "seconds": 2.5, "passes": {1: 2}}]
+    runs = [
+        {"tokens": [1, 2], "seconds": 3.0, "passes": {1: 2}},
+        {"tokens": [1, 2], "seconds": 2.0, "passes": {2: 1}},
+        {"tokens": [1, 2], "seconds": 2.5, "passes": {1: 2}},
+    ]
     best = fastest_run(runs)
     assert best["seconds"] == 2.0 and best["passes"] == {2: 1}  # that run's own record, not a mix
     assert best["seconds_all"] == [3.0, 2.0, 2.5]

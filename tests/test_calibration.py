@@ -110,7 +110,10 @@ def test_round_progress_says_the_time_left_after_the_first_round_then_every_twen
     for done in range(1, 9):
         now[0] += 6.0
         progress(done, 8)
-    assert said == ["calibrating: round 1 of 8 done, about 42 s left", "calibrating: round 5 of 8 done, about 18 s left"]
+    assert said == [
+        "calibrating: round 1 of 8 done, about 42 s left",
+        "calibrating: round 5 of 8 done, about 18 s left",
+    ]
 
 
 def test_measure_costs_over_chosen_sizes(pairs):
@@ -189,7 +192,9 @@ def test_decoder_with_steep_costs_decodes_plainly_from_the_start(pairs, tokenize
     pair = pairs[0]
     drafter = ModelDrafter(wrap(pair.draft), len(tokenizer))
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [2], drafter, costs=STEEP)
-    events = list(decoder.generate(tokenizer("abc")["input_ids"], SamplingConfig(), SpecConfig(k="auto", max_new_tokens=8)))
+    events = list(
+        decoder.generate(tokenizer("abc")["input_ids"], SamplingConfig(), SpecConfig(k="auto", max_new_tokens=8))
+    )
     steps = [e for e in events if isinstance(e, StepEvent)]
     assert steps and all(s.drafted == 0 for s in steps)
 
@@ -324,7 +329,9 @@ def test_drafters_without_a_model_share_one_calibration_and_keep_their_priors_ap
     assert third.decoder.prior is None
 
 
-def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_next_session(folders, tmp_path, monkeypatch):
+def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_next_session(
+    folders, tmp_path, monkeypatch
+):
     from speccli.autok.policy import AcceptancePrior
     from speccli.calibration import prior_path, read_prior, remember
 
@@ -342,7 +349,8 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
     learned = pipeline.decoder.learned()
     assert learned.opening is not None  # the generation's opening drafted (no costs yet: k 4)
     assert saved is not None and saved == AcceptancePrior(
-        tuple(round(a, 4) for a in learned.acceptance), learned.steps,
+        tuple(round(a, 4) for a in learned.acceptance),
+        learned.steps,
         opening=AcceptancePrior(tuple(round(a, 4) for a in learned.opening.acceptance), learned.opening.steps),
     )
     assert saved.steps > 0 and len(saved.acceptance) == 8  # FLAT measured passes over up to 9 tokens
@@ -357,13 +365,17 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
     assert AcceptancePrior((policy.opening_prior,), policy.opening_prior_steps) == saved.opening
 
     # Damaged or foreign files are ignored: the default prior, and the costs still load.
-    for damage in ("{not json", json.dumps({"identity": identity, "acceptance": [2.0], "steps": 1}),
-                   json.dumps({"identity": {}, "acceptance": [0.5], "steps": 1}),
-                   json.dumps({"identity": identity, "acceptance": [], "steps": 1}),
-                   json.dumps({"identity": identity, "acceptance": "x", "steps": None}),
-                   json.dumps({"identity": identity, "acceptance": [0.5], "steps": 1,
-                               "opening": {"acceptance": [1.5], "steps": 1}}),
-                   json.dumps({"identity": identity, "acceptance": [0.5], "steps": 1, "opening": [0.5]})):
+    for damage in (
+        "{not json",
+        json.dumps({"identity": identity, "acceptance": [2.0], "steps": 1}),
+        json.dumps({"identity": {}, "acceptance": [0.5], "steps": 1}),
+        json.dumps({"identity": identity, "acceptance": [], "steps": 1}),
+        json.dumps({"identity": identity, "acceptance": "x", "steps": None}),
+        json.dumps(
+            {"identity": identity, "acceptance": [0.5], "steps": 1, "opening": {"acceptance": [1.5], "steps": 1}}
+        ),
+        json.dumps({"identity": identity, "acceptance": [0.5], "steps": 1, "opening": [0.5]}),
+    ):
         path.write_text(damage)
         third = pipeline_for(folders)
         assert calibrate(third, max_k=auto.max_k) == FLAT and third.decoder.prior is None
@@ -502,8 +514,10 @@ def test_a_first_run_probes_a_few_sizes_and_the_generations_fill_in_the_rest(fol
     messages: list[str] = []
     costs = calibrate(pipeline, max_k=7, progress=messages.append, cache_dir=tmp_path)
     assert calls == [([1, 2, 4, 8], 1)] and costs == probe
-    assert messages[0] == ("calibrating: timing target passes over 1, 2, 4, 8 tokens and one draft token"
-                           " (a few seconds; the other sizes are learned from the passes generating runs)")
+    assert messages[0] == (
+        "calibrating: timing target passes over 1, 2, 4, 8 tokens and one draft token"
+        " (a few seconds; the other sizes are learned from the passes generating runs)"
+    )
     path = calibration_path(calibration_identity(pipeline, 8), tmp_path)
     assert json.loads(path.read_text())["samples"] == {"1": 1, "2": 1, "4": 1, "8": 1}
 
@@ -529,7 +543,8 @@ def test_a_first_run_probes_a_few_sizes_and_the_generations_fill_in_the_rest(fol
     assert refine(pipeline, 7, tmp_path) is False
     monkeypatch.setattr(calibration_cache, "measure_costs", lambda *a, **k: pytest.fail("measured again"))
     assert calibrate(pipeline_for(folders), max_k=7, cache_dir=tmp_path).verify_seconds[1] == pytest.approx(
-        (0.1 * 1 + 0.11 * ROUNDS) / (1 + ROUNDS))
+        (0.1 * 1 + 0.11 * ROUNDS) / (1 + ROUNDS)
+    )
 
 
 def test_a_table_still_filling_in_is_refined_not_dropped_after_a_generation(folders, tmp_path, monkeypatch):

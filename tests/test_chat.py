@@ -72,7 +72,9 @@ def make_session(models, drafter: bool = True, max_tokens: int = 24, **kwargs) -
         target_lm, tokenizer, [EOS], ModelDrafter(HFCausalLM(draft), target_lm.vocab_size) if drafter else None
     )
     settings = ChatSettings.of(max_tokens=max_tokens, k=kwargs.pop("k", 4))
-    return ChatSession(Speculator(decoder), settings, kwargs.pop("system", None), model_info={"target": "t", "draft": "d"}, **kwargs)
+    return ChatSession(
+        Speculator(decoder), settings, kwargs.pop("system", None), model_info={"target": "t", "draft": "d"}, **kwargs
+    )
 
 
 def drain(events) -> list:
@@ -88,7 +90,12 @@ def make_ui(session: ChatSession) -> tuple[ChatUI, io.StringIO, io.StringIO]:
     return ChatUI(session, out, err, out_colour=False, err_colour=False), out, err
 
 
-FIGURES = re.compile(r"^(interrupted \| )?\d+ tokens \| [\d.]+ tok/s \| acceptance [\d.]+% \| [\d.]+ tokens/step \| first token [\d.]+ s$")
+FIGURES = re.compile(
+    (
+        r"^(interrupted \| )?\d+ tokens \| [\d.]+ tok/s \| acceptance [\d.]+% \| [\d.]+ tokens/step \| first token "
+        r"[\d.]+ s$"
+    )
+)
 
 
 # --------------------------------------------------------------------------- input
@@ -179,7 +186,10 @@ def test_set_tree_switches_the_next_answers_to_token_trees():
         ("/set top_p 1.5", "error: top_p must be in (0, 1], got 1.5"),
         ("/set top_k -1", "error: top_k must be >= 0 (0 disables it), got -1"),
         ("/set max_tokens 0", "error: max_new_tokens must be >= 1, got 0"),
-        ("/set colour red", "error: unknown setting 'colour'; one of temperature, top_p, top_k, k, max_tokens, seed, tree"),
+        (
+            "/set colour red",
+            "error: unknown setting 'colour'; one of temperature, top_p, top_k, k, max_tokens, seed, tree",
+        ),
         ("/set k", "error: usage: /set NAME VALUE, NAME one of temperature, top_p, top_k, k, max_tokens, seed, tree"),
         ("/set tree maybe", "error: tree must be on or off, got 'maybe'"),
         ("/frobnicate", "error: unknown command /frobnicate; /help lists the commands"),
@@ -238,7 +248,9 @@ def reference_answer(models, messages: list[dict], max_new: int) -> str:
 def test_greedy_chat_answers_are_the_targets_own(models):
     session = make_session(models, system="be brief")
     first = answer_text(drain(session.ask("hello")))
-    assert first == reference_answer(models, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}], 24)
+    assert first == reference_answer(
+        models, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}], 24
+    )
     second = answer_text(drain(session.ask("and then?")))
     assert second == reference_answer(models, session.conversation()[:-1], 24)
     assert [m["role"] for m in session.conversation()] == ["system", "user", "assistant", "user", "assistant"]
@@ -337,7 +349,9 @@ def test_an_unstarted_answer_changes_nothing(models):
 
 def test_context_overflow_is_one_line(models):
     session = make_session(models)
-    with pytest.raises(ChatError, match=r"^the conversation is \d+ tokens and the model's context holds 4096; /clear starts a new one$"):
+    with pytest.raises(
+        ChatError, match=r"^the conversation is \d+ tokens and the model's context holds 4096; /clear starts a new one$"
+    ):
         session.ask("x" * 5000)
     assert session.messages == []
 
@@ -427,7 +441,10 @@ def test_scripted_session_over_a_stream(models):
     lines = err.getvalue().splitlines()
     assert FIGURES.match(lines[0]) and lines[1] == "k = 2"
     assert FIGURES.match(lines[2]) and FIGURES.match(lines[3])
-    assert lines[4] == "session: 3 answers, %d tokens generated in %d steps" % (session.stats.new_tokens, session.stats.steps)
+    assert lines[4] == "session: 3 answers, %d tokens generated in %d steps" % (
+        session.stats.new_tokens,
+        session.stats.steps,
+    )
     assert lines[-6] == lines[4]  # the report again at the end
     assert "\x1b" not in out.getvalue() + err.getvalue()
 
@@ -479,7 +496,18 @@ def test_run_chat_refuses_bad_settings_and_models_without_a_template(models):
     def Fake(tok):
         from speccli.pipeline import Pipeline
 
-        loaded = type("T", (), {"name": "tiny", "dtype": torch.float32, "device": "cpu", "quant": "none", "linear": "stock", "tokenizer": tok})()
+        loaded = type(
+            "T",
+            (),
+            {
+                "name": "tiny",
+                "dtype": torch.float32,
+                "device": "cpu",
+                "quant": "none",
+                "linear": "stock",
+                "tokenizer": tok,
+            },
+        )()
         return Pipeline(loaded, None, "none", SpeculativeDecoder(HFCausalLM(target), tok, [EOS]))
 
     with pytest.raises(UsageError, match="^tiny has no chat template, so it cannot chat$"):
@@ -558,8 +586,21 @@ def chat_argv(folders, max_tokens: int, system: str = "be brief", where: tuple[s
     """`specgen chat` once cli.py has it; a launcher calling run_chat until then."""
     if cli_has_chat():
         return [
-            sys.executable, "-m", "speccli.cli", "chat", "--target", folders["target"], "--draft",
-            folders["draft"], *where, "--dtype", "float32", "--max-new-tokens", str(max_tokens), "--system", system,
+            sys.executable,
+            "-m",
+            "speccli.cli",
+            "chat",
+            "--target",
+            folders["target"],
+            "--draft",
+            folders["draft"],
+            *where,
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            str(max_tokens),
+            "--system",
+            system,
         ]
     launcher = folders["root"] / "launch_chat.py"
     launcher.write_text(LAUNCHER)
@@ -579,8 +620,12 @@ def child_env(tmp_path: Path, **extra) -> dict:
 def test_scripted_chat_reads_stdin_line_by_line(folders, tmp_path):
     script = "hello\n/set k 2\nagain\n/stats\n"
     result = subprocess.run(
-        chat_argv(folders, 16), input=script.encode(), capture_output=True, cwd=REPO,
-        env=child_env(tmp_path), timeout=120,
+        chat_argv(folders, 16),
+        input=script.encode(),
+        capture_output=True,
+        cwd=REPO,
+        env=child_env(tmp_path),
+        timeout=120,
     )
     stderr = result.stderr.decode()
     assert result.returncode == 0, stderr
@@ -595,8 +640,12 @@ def test_scripted_chat_reads_stdin_line_by_line(folders, tmp_path):
 def test_chat_starts_and_answers_on_cuda(folders, tmp_path):
     # --device auto and --quant auto: CUDA and 4-bit weights there, as a user gets them.
     result = subprocess.run(
-        chat_argv(folders, 16, where=()), input=b"hello\n", capture_output=True, cwd=REPO,
-        env=child_env(tmp_path), timeout=300,
+        chat_argv(folders, 16, where=()),
+        input=b"hello\n",
+        capture_output=True,
+        cwd=REPO,
+        env=child_env(tmp_path),
+        timeout=300,
     )
     stderr = result.stderr.decode()
     assert result.returncode == 0, stderr
@@ -610,8 +659,12 @@ def test_set_k_auto_after_a_fixed_k_starts_calibrated(folders, tmp_path):
     script = "hello\n/set k auto\nagain\n"
     cache = tmp_path / "cache"
     result = subprocess.run(
-        argv, input=script.encode(), capture_output=True, cwd=REPO,
-        env=child_env(tmp_path, SPECGEN_CACHE=str(cache)), timeout=120,
+        argv,
+        input=script.encode(),
+        capture_output=True,
+        cwd=REPO,
+        env=child_env(tmp_path, SPECGEN_CACHE=str(cache)),
+        timeout=120,
     )
     stderr = result.stderr.decode()
     assert result.returncode == 0, stderr
@@ -625,7 +678,13 @@ def test_chat_in_a_real_terminal(endless_folders, tmp_path):
     # machine the calibration can make plain decoding look best (no coloured token to see).
     argv = chat_argv(endless_folders, 40) + ["--k", "4"]
     child = pexpect.spawn(
-        argv[0], argv[1:], cwd=str(REPO), env=child_env(tmp_path), encoding="utf-8", timeout=90, dimensions=(50, 200),
+        argv[0],
+        argv[1:],
+        cwd=str(REPO),
+        env=child_env(tmp_path),
+        encoding="utf-8",
+        timeout=90,
+        dimensions=(50, 200),
         preexec_fn=default_sigint,
     )
     try:

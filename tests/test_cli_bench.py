@@ -39,8 +39,21 @@ def folders(tmp_path_factory):
 def bench(folders, *extra: str):
     return runner.invoke(
         app,
-        ["bench", folders["prompts"], "--target", folders["target"], "--draft", folders["draft"],
-         *ON_CPU, "--dtype", "float32", "-n", "12", "-q", *extra],
+        [
+            "bench",
+            folders["prompts"],
+            "--target",
+            folders["target"],
+            "--draft",
+            folders["draft"],
+            *ON_CPU,
+            "--dtype",
+            "float32",
+            "-n",
+            "12",
+            "-q",
+            *extra,
+        ],
     )
 
 
@@ -80,7 +93,23 @@ def test_table_to_file_and_plot(folders):
 
 def test_ngram_draft(folders):
     result = runner.invoke(
-        app, ["bench", folders["prompts"], "--target", folders["target"], "--draft", "ngram", *ON_CPU, "--dtype", "float32", "-n", "12", "-q", "--format", "json"]
+        app,
+        [
+            "bench",
+            folders["prompts"],
+            "--target",
+            folders["target"],
+            "--draft",
+            "ngram",
+            *ON_CPU,
+            "--dtype",
+            "float32",
+            "-n",
+            "12",
+            "-q",
+            "--format",
+            "json",
+        ],
     )
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["metadata"]["drafter"] == "ngram"
@@ -107,8 +136,14 @@ def test_bad_prompt_files_exit_2(folders, tmp_path, content, name, message):
 def test_missing_prompt_file_and_bad_options(folders, tmp_path):
     result = runner.invoke(app, ["bench", str(tmp_path / "none.txt"), "--draft", "ngram"])
     assert result.exit_code == 2 and str(tmp_path / "none.txt") in result.stderr
-    for extra, message in ((["--k", "0"], "--k"), (["--format", "xml"], "--format"), (["--draft", "none"], "needs a draft")):
-        result = runner.invoke(app, ["bench", folders["prompts"], "--target", folders["target"], "--draft", "ngram", *extra])
+    for extra, message in (
+        (["--k", "0"], "--k"),
+        (["--format", "xml"], "--format"),
+        (["--draft", "none"], "needs a draft"),
+    ):
+        result = runner.invoke(
+            app, ["bench", folders["prompts"], "--target", folders["target"], "--draft", "ngram", *extra]
+        )
         assert result.exit_code == 2, (extra, result.stderr)
         assert message in result.stderr
 

@@ -82,7 +82,9 @@ def model_args(folders) -> list[str]:
 
 
 def test_piped_output_is_exactly_the_targets_greedy_text(folders):
-    result = specgen("generate", "def fib(n):", *model_args(folders), "--max-new-tokens", "32", "--temperature", "0", "--stats")
+    result = specgen(
+        "generate", "def fib(n):", *model_args(folders), "--max-new-tokens", "32", "--temperature", "0", "--stats"
+    )
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.decode() == reference_text(folders, "def fib(n):", 32)
     assert b"\x1b" not in result.stdout
@@ -116,9 +118,29 @@ def test_ctrl_c_keeps_what_was_printed_and_exits_130(endless, tmp_path):
     # reading, the child blocks on a full pipe long before its answer could end, so the
     # interrupt always lands inside the generation, however late it comes.
     process = subprocess.Popen(
-        [sys.executable, "-m", "speccli.cli", "generate", "hello", "--target", endless["target"], "-n", "100000", "-q", "--draft", "none", *ON_CPU, "--dtype", "float32"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-        env=isolated_env(tmp_path), bufsize=0,  # unbuffered: reading 8 bytes takes no more from the pipe
+        [
+            sys.executable,
+            "-m",
+            "speccli.cli",
+            "generate",
+            "hello",
+            "--target",
+            endless["target"],
+            "-n",
+            "100000",
+            "-q",
+            "--draft",
+            "none",
+            *ON_CPU,
+            "--dtype",
+            "float32",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=isolated_env(tmp_path),
+        bufsize=0,  # unbuffered: reading 8 bytes takes no more from the pipe
         preexec_fn=default_sigint,
     )
     try:
@@ -139,9 +161,29 @@ def test_ctrl_c_keeps_what_was_printed_and_exits_130(endless, tmp_path):
 def test_a_reader_that_closes_the_pipe_stops_generation_quietly_with_141(endless, tmp_path):
     # `specgen generate ... | head -c 8`: the child writes into a pipe whose reader is gone.
     process = subprocess.Popen(
-        [sys.executable, "-m", "speccli.cli", "generate", "hello", "--target", endless["target"], "-n", "100000", "-q", "--draft", "ngram", *ON_CPU, "--dtype", "float32"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-        env=isolated_env(tmp_path), bufsize=0,
+        [
+            sys.executable,
+            "-m",
+            "speccli.cli",
+            "generate",
+            "hello",
+            "--target",
+            endless["target"],
+            "-n",
+            "100000",
+            "-q",
+            "--draft",
+            "ngram",
+            *ON_CPU,
+            "--dtype",
+            "float32",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=isolated_env(tmp_path),
+        bufsize=0,
     )
     first = read_first(process.stdout, 8)
     process.stdout.close()
@@ -155,8 +197,12 @@ def test_a_reader_that_closes_the_pipe_stops_generation_quietly_with_141(endless
 def test_help_and_version_to_a_reader_that_is_gone_exit_141_as_generation_does(args, tmp_path):
     # `specgen --help | head -1`: Rich meets the closed pipe inside Typer and would exit 1.
     process = subprocess.Popen(
-        [sys.executable, "-m", "speccli.cli", *args], stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=isolated_env(tmp_path),
+        [sys.executable, "-m", "speccli.cli", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=isolated_env(tmp_path),
     )
     process.stdout.close()  # gone before the first write
     stderr = process.stderr.read()
@@ -167,8 +213,12 @@ def test_help_and_version_to_a_reader_that_is_gone_exit_141_as_generation_does(a
 def test_help_to_the_null_device_still_exits_0(tmp_path):
     with open(os.devnull, "w") as null:
         done = subprocess.run(
-            [sys.executable, "-m", "speccli.cli", "--help"], stdout=null, stderr=subprocess.PIPE,
-            cwd=REPO, env=isolated_env(tmp_path), timeout=120,
+            [sys.executable, "-m", "speccli.cli", "--help"],
+            stdout=null,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
+            env=isolated_env(tmp_path),
+            timeout=120,
         )
     assert done.returncode == 0 and done.stderr == b""
 
@@ -190,7 +240,11 @@ def invoke(args: list[str], stdin: bytes | str = b""):
         (["generate", "hi", "--temperature", "-1"], b"", "error: temperature must be >= 0, got -1.0"),
         (["generate", "hi", "--top-p", "0"], b"", "error: top_p must be in (0, 1], got 0.0"),
         (["generate", "hi", "-n", "0"], b"", "error: max_new_tokens must be >= 1, got 0"),
-        (["generate", "hi", "--dtype", "float8"], b"", "error: dtype must be one of auto, float32, bfloat16, float16, got 'float8'"),
+        (
+            ["generate", "hi", "--dtype", "float8"],
+            b"",
+            "error: dtype must be one of auto, float32, bfloat16, float16, got 'float8'",
+        ),
         (["generate", "hi", "--cpu-linear", "mkl"], b"", "error: cpu_linear must be one of auto, stock, got 'mkl'"),
         (["generate"], b"caf\xe9\n", "error: standard input is not valid UTF-8 (byte 3)"),
     ],
@@ -221,7 +275,22 @@ def test_missing_folder_is_refused(tmp_path):
 def test_ngram_and_plain_drafts_give_the_same_greedy_text(folders):
     expected = reference_text(folders, "abcabc", 24)
     for draft in ("ngram", "none"):
-        result = invoke(["generate", "abcabc", "--target", folders["target"], "--draft", draft, "-n", "24", "-q", *ON_CPU, "--dtype", "float32"])
+        result = invoke(
+            [
+                "generate",
+                "abcabc",
+                "--target",
+                folders["target"],
+                "--draft",
+                draft,
+                "-n",
+                "24",
+                "-q",
+                *ON_CPU,
+                "--dtype",
+                "float32",
+            ]
+        )
         assert result.exit_code == 0, result.stderr
         assert result.stdout == expected
 
@@ -229,7 +298,9 @@ def test_ngram_and_plain_drafts_give_the_same_greedy_text(folders):
 def test_a_prompt_longer_than_the_context_is_bad_input(folders):
     result = invoke(["generate", "x" * 5000, "-q"] + model_args(folders))
     assert result.exit_code == 2
-    assert result.stderr.startswith(f"error: the prompt is 5000 tokens long and {folders['target']}'s context holds 4096")
+    assert result.stderr.startswith(
+        f"error: the prompt is 5000 tokens long and {folders['target']}'s context holds 4096"
+    )
     assert "hint: shorten the prompt" in result.stderr
 
 

@@ -20,7 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 def specgen(*args: str, cache: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "speccli.cli", *args],
-        input=b"", capture_output=True, cwd=REPO, timeout=300,
+        input=b"",
+        capture_output=True,
+        cwd=REPO,
+        timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO), "SPECGEN_CACHE": str(cache), "OMP_NUM_THREADS": "1"},
     )
 
@@ -47,8 +50,25 @@ def setup(tmp_path_factory):
 def test_train_then_draft_with_the_heads(setup):
     cache = setup["cache"]
     trained = specgen(
-        "train", "medusa", "--target", setup["target"], "--data", setup["data"], "--tokens", "4096",
-        "--heads", "3", "--vocab", "40", "--epochs", "4", *ON_CPU, "--dtype", "float32", "--json", cache=cache,
+        "train",
+        "medusa",
+        "--target",
+        setup["target"],
+        "--data",
+        setup["data"],
+        "--tokens",
+        "4096",
+        "--heads",
+        "3",
+        "--vocab",
+        "40",
+        "--epochs",
+        "4",
+        *ON_CPU,
+        "--dtype",
+        "float32",
+        "--json",
+        cache=cache,
     )
     assert trained.returncode == 0, trained.stderr.decode()
     record = json.loads(trained.stdout)
@@ -62,11 +82,26 @@ def test_train_then_draft_with_the_heads(setup):
 
     # Found in the cache for its target; the output is the target's own greedy text.
     prompt = "def add(a, b):\n"
-    generated = specgen("generate", prompt, "--target", setup["target"], "--draft", "medusa", "--k", "3",
-                        "--max-new-tokens", "24", *ON_CPU, "--dtype", "float32", "--json", cache=cache)
+    generated = specgen(
+        "generate",
+        prompt,
+        "--target",
+        setup["target"],
+        "--draft",
+        "medusa",
+        "--k",
+        "3",
+        "--max-new-tokens",
+        "24",
+        *ON_CPU,
+        "--dtype",
+        "float32",
+        "--json",
+        cache=cache,
+    )
     assert generated.returncode == 0, generated.stderr.decode()
     ids = setup["tokenizer"](prompt)["input_ids"]
-    reference = setup["model"].generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    reference = setup["model"].generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
     if 2 in reference:
         reference = reference[: reference.index(2)]
     assert json.loads(generated.stdout)["token_ids"] == reference
@@ -78,17 +113,45 @@ def test_train_then_draft_with_the_heads(setup):
     assert entry["kind"] == "medusa" and entry["path"] == str(path) and entry["tokens"] == 15 * 256
 
     # Another target refuses them, in one line with a hint, exit 2.
-    refused = specgen("generate", "x", "--target", setup["other"], "--draft", f"medusa:{path}",
-                      *ON_CPU, "--dtype", "float32", cache=cache)
+    refused = specgen(
+        "generate",
+        "x",
+        "--target",
+        setup["other"],
+        "--draft",
+        f"medusa:{path}",
+        *ON_CPU,
+        "--dtype",
+        "float32",
+        cache=cache,
+    )
     assert refused.returncode == 2
     lines = refused.stderr.decode().strip().splitlines()
-    assert any(line.startswith("error: ") and "was trained for" in line and "output weights differ" in line for line in lines), lines
+    assert any(
+        line.startswith("error: ") and "was trained for" in line and "output weights differ" in line for line in lines
+    ), lines
     assert "Traceback" not in refused.stderr.decode()
 
 
 def test_train_on_the_targets_own_answers(setup, tmp_path):
-    args = ("train", "eagle", "--target", setup["target"], "--answers", "2", "--tokens", "2048", "--epochs", "1",
-            "--vocab", "40", *ON_CPU, "--dtype", "float32", "--json")
+    args = (
+        "train",
+        "eagle",
+        "--target",
+        setup["target"],
+        "--answers",
+        "2",
+        "--tokens",
+        "2048",
+        "--epochs",
+        "1",
+        "--vocab",
+        "40",
+        *ON_CPU,
+        "--dtype",
+        "float32",
+        "--json",
+    )
     first = specgen(*args, "--unroll", "2", cache=tmp_path)
     assert first.returncode == 0, first.stderr.decode()
     err = first.stderr.decode()
@@ -104,7 +167,7 @@ def test_train_on_the_targets_own_answers(setup, tmp_path):
     # The answers are the target's own greedy continuation of each request.
     request = chats[0][0]["content"]
     ids = setup["tokenizer"](request)["input_ids"]
-    expected = setup["model"].generate(torch.tensor([ids]), max_new_tokens=192, do_sample=False)[0, len(ids):].tolist()
+    expected = setup["model"].generate(torch.tensor([ids]), max_new_tokens=192, do_sample=False)[0, len(ids) :].tolist()
     if 2 in expected:
         expected = expected[: expected.index(2)]
     assert chats[0][1]["content"] == setup["tokenizer"].decode(expected, skip_special_tokens=True)
@@ -144,5 +207,6 @@ def test_train_progress_without_a_terminal_prints_a_line_every_tenth():
         display.steps(TrainProgress(step=3, steps=3, loss=0.5, seconds=1.0))
         display.say("saved")
     assert lines == [f"target features (tokens): {n}/1000" for n in range(0, 1001, 100)] + [
-        "training (steps): 3/3, loss 0.500", "saved",
+        "training (steps): 3/3, loss 0.500",
+        "saved",
     ]

@@ -56,9 +56,28 @@ def test_a_pass_that_cannot_compile_runs_eagerly(pairs, tokenizer, monkeypatch):
 
 def specgen(tmp_path, folder: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "speccli.cli", "generate", "abc", "--target", folder, "--draft", "none",
-         "--dtype", "float32", "-n", "6", "--json", "-q", *args],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "speccli.cli",
+            "generate",
+            "abc",
+            "--target",
+            folder,
+            "--draft",
+            "none",
+            "--dtype",
+            "float32",
+            "-n",
+            "6",
+            "--json",
+            "-q",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
         env={**os.environ, "PYTHONPATH": str(REPO), "SPECGEN_CACHE": str(tmp_path / "cache")},
     )
 

@@ -228,17 +228,27 @@ def _damage_weights_in_place(weights, offset_share: float, data: bytes) -> None:
     "damage, reason",
     [
         # Random bytes over the middle, the size unchanged: only the checksum can tell.
-        (lambda folder: _damage_weights_in_place(folder / "model.safetensors", 0.5, bytes(range(256)) * 4),
-         "changed since it was written"),
+        (
+            lambda folder: _damage_weights_in_place(folder / "model.safetensors", 0.5, bytes(range(256)) * 4),
+            "changed since it was written",
+        ),
         # A header that is not JSON any more.
-        (lambda folder: _damage_weights_in_place(folder / "model.safetensors", 0.0, b"\x10\x00\x00\x00\x00\x00\x00\x00{{{{"),
-         "header"),
+        (
+            lambda folder: _damage_weights_in_place(
+                folder / "model.safetensors", 0.0, b"\x10\x00\x00\x00\x00\x00\x00\x00{{{{"
+            ),
+            "header",
+        ),
         # An impossible header length.
-        (lambda folder: _damage_weights_in_place(folder / "model.safetensors", 0.0, b"\xff" * 8),
-         "header's length is impossible"),
+        (
+            lambda folder: _damage_weights_in_place(folder / "model.safetensors", 0.0, b"\xff" * 8),
+            "header's length is impossible",
+        ),
         # Same size, not JSON any more.
-        (lambda folder: (folder / "config.json").write_text("[" + (folder / "config.json").read_text()[1:]),
-         "config.json is not valid JSON"),
+        (
+            lambda folder: (folder / "config.json").write_text("[" + (folder / "config.json").read_text()[1:]),
+            "config.json is not valid JSON",
+        ),
         (lambda folder: (folder / "specgen-entry.json").write_text("[]"), "record is missing or damaged"),
     ],
 )

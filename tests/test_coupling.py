@@ -86,7 +86,9 @@ def test_verify_coupled_is_the_targets_gumbel_max_token_at_each_position():
     zero = torch.zeros(3, 4)
     # Zero noise: the target's token is its argmax at each row.
     assert verify_coupled(p, torch.tensor([0, 2]), zero) == Verdict.chain(2, 0, drafted=2)  # both survive, bonus
-    assert verify_coupled(p, torch.tensor([0, 1]), zero) == Verdict.chain(1, 2, drafted=2)  # second rejected: target's own
+    assert verify_coupled(p, torch.tensor([0, 1]), zero) == Verdict.chain(
+        1, 2, drafted=2
+    )  # second rejected: target's own
     assert verify_coupled(p, torch.tensor([1, 2]), zero) == Verdict.chain(0, 0, drafted=2)
     assert verify_coupled(p[:1], torch.tensor([], dtype=torch.long), zero[:1]) == Verdict.chain(0, 0, drafted=0)
     # Noise moves the target's token; a zero of p stays impossible whatever the noise.
@@ -151,7 +153,10 @@ def test_a_seed_gives_the_targets_own_sample_whatever_the_drafter_and_k(pairs, t
     if pair_index == 0:
         assert accepted > 0  # drafts were accepted, not only the target's own tokens emitted
     # Different seeds give different samples.
-    firsts = {tuple(generator.stream(prompt, sampling_for(s), SpecConfig(max_new_tokens=8), plain=True).run().token_ids) for s in seeds}
+    firsts = {
+        tuple(generator.stream(prompt, sampling_for(s), SpecConfig(max_new_tokens=8), plain=True).run().token_ids)
+        for s in seeds
+    }
     assert len(firsts) > len(seeds) // 2
 
 
@@ -160,7 +165,9 @@ def test_without_a_seed_samples_differ(pairs, tokenizer):
     prompt = tokenizer(PROMPT)["input_ids"]
     generator = Speculator.over(wrap(pair.target), tokenizer, [2], ModelDrafter(wrap(pair.draft), len(tokenizer)))
     sampling = SamplingConfig(temperature=1.0)
-    texts = {tuple(generator.stream(prompt, sampling, SpecConfig(k=4, max_new_tokens=16)).run().token_ids) for _ in range(4)}
+    texts = {
+        tuple(generator.stream(prompt, sampling, SpecConfig(k=4, max_new_tokens=16)).run().token_ids) for _ in range(4)
+    }
     assert len(texts) > 1
 
 
@@ -172,7 +179,9 @@ def test_provenance_and_noise_kept_per_position(pairs, tokenizer):
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [], ModelDrafter(wrap(pair.draft), len(tokenizer)))
     provenances = collections.Counter()
     for seed in range(6):
-        events = list(decoder.generate(prompt, SamplingConfig(temperature=1.0, seed=seed), SpecConfig(k=3, max_new_tokens=20)))
+        events = list(
+            decoder.generate(prompt, SamplingConfig(temperature=1.0, seed=seed), SpecConfig(k=3, max_new_tokens=20))
+        )
         provenances.update(e.provenance for e in events if isinstance(e, TokenEvent))
         assert sum(e.drafted for e in events if isinstance(e, StepEvent)) > 0
     assert {Provenance.ACCEPTED, Provenance.RESAMPLED, Provenance.BONUS} <= set(provenances)

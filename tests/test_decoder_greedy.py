@@ -27,7 +27,7 @@ PROMPTS = [
     "aaaaaaaa",
     "Once upon a time",
     "SELECT * FROM users WHERE id =",
-    "{\"key\": \"value\", \"other\": ",
+    '{"key": "value", "other": ',
     "zzz yyy xxx www",
     "To be, or not to be,",
     "while True:\n    pass",
@@ -74,9 +74,7 @@ def test_model_draft_equals_target_greedy(pairs, tokenizer, references, pair_ind
     pair = pairs[pair_index]
     # One decoder for all prompts: each generation reuses and rolls back the caches
     # left by the previous one, which must not change a single token.
-    decoder = SpeculativeDecoder(
-        wrap(pair.target), tokenizer, [EOS], ModelDrafter(wrap(pair.draft), len(tokenizer))
-    )
+    decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], ModelDrafter(wrap(pair.draft), len(tokenizer)))
     drafted = 0
     branched = False
     for prompt in PROMPTS:
@@ -95,7 +93,9 @@ def test_model_draft_equals_target_greedy(pairs, tokenizer, references, pair_ind
     assert branched == tree
 
 
-@pytest.mark.parametrize("k, tree", [(1, False), (2, False), (4, False), (8, False), ("auto", False), (4, True), ("auto", True)])
+@pytest.mark.parametrize(
+    "k, tree", [(1, False), (2, False), (4, False), (8, False), ("auto", False), (4, True), ("auto", True)]
+)
 @pytest.mark.parametrize("pair_index", [0, 1])
 def test_prompt_lookup_equals_target_greedy(pairs, tokenizer, references, pair_index, k, tree):
     pair = pairs[pair_index]
@@ -115,9 +115,7 @@ def test_prompt_lookup_equals_target_greedy(pairs, tokenizer, references, pair_i
 
 def test_close_draft_is_mostly_accepted(pairs, tokenizer):
     pair = pairs[0]
-    decoder = SpeculativeDecoder(
-        wrap(pair.target), tokenizer, [EOS], ModelDrafter(wrap(pair.draft), len(tokenizer))
-    )
+    decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], ModelDrafter(wrap(pair.draft), len(tokenizer)))
     steps = [
         e
         for prompt in PROMPTS[:5]

@@ -122,10 +122,20 @@ def small_pair():
         (SamplingConfig(temperature=1.0, seed=9753), 0.0, wrap, True),
         (SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, seed=8642), 0.0, wrap_static, True),
     ],
-    ids=["t1", "t0.7-topk6-topp0.9", "t1-early-stop", "t1-early-stop-static-cache", "t1-early-stop-device-chains",
-         "t0.7-topk6-topp0.9-device-chains", "t1-tree", "t0.7-topk6-topp0.9-tree-static-cache"],
+    ids=[
+        "t1",
+        "t0.7-topk6-topp0.9",
+        "t1-early-stop",
+        "t1-early-stop-static-cache",
+        "t1-early-stop-device-chains",
+        "t0.7-topk6-topp0.9-device-chains",
+        "t1-tree",
+        "t0.7-topk6-topp0.9-tree-static-cache",
+    ],
 )
-def test_speculative_samples_follow_the_exact_target_distribution(small_pair, sampling, stop_confidence, backend, tree, monkeypatch):
+def test_speculative_samples_follow_the_exact_target_distribution(
+    small_pair, sampling, stop_confidence, backend, tree, monkeypatch
+):
     # The rejection rule, which runs when no seed is given; seeded here (through the
     # decoder's torch.Generator) so that the test is reproducible. The coupled rule that
     # a seed selects is tested in test_coupling.py.

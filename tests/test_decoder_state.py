@@ -128,15 +128,15 @@ class SecondChoiceDrafter(Drafter):
 
 def run(decoder, tokenizer, prompt, k=4, max_new=24, sampling=SamplingConfig(), stops=()):
     return list(
-        decoder.generate(encode(tokenizer, prompt), sampling, SpecConfig(k=k, max_new_tokens=max_new, stop_strings=stops))
+        decoder.generate(
+            encode(tokenizer, prompt), sampling, SpecConfig(k=k, max_new_tokens=max_new, stop_strings=stops)
+        )
     )
 
 
 def test_target_as_its_own_draft_accepts_every_token(pairs, tokenizer):
     pair = pairs[0]
-    decoder = SpeculativeDecoder(
-        wrap(pair.target), tokenizer, [], ModelDrafter(wrap(pair.target), len(tokenizer))
-    )
+    decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [], ModelDrafter(wrap(pair.target), len(tokenizer)))
     events = run(decoder, tokenizer, "def fib(n):", k=4, max_new=25)
     steps = [e for e in events if isinstance(e, StepEvent)]
     tokens = [e for e in events if isinstance(e, TokenEvent)]
@@ -182,9 +182,7 @@ def test_stop_string_cuts_text_and_tokens(pairs, tokenizer):
     text = "".join(e.text for e in run(plain, tokenizer, "hello", max_new=20) if isinstance(e, TokenEvent))
     stop = text[6:8]
     expected_text = text[: text.index(stop)]
-    decoder = SpeculativeDecoder(
-        wrap(pair.target), tokenizer, [], ModelDrafter(wrap(pair.target), len(tokenizer))
-    )
+    decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [], ModelDrafter(wrap(pair.target), len(tokenizer)))
     events = run(decoder, tokenizer, "hello", k=8, max_new=20, stops=("never-there", stop))
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     assert "".join(t.text for t in tokens) == expected_text

@@ -43,7 +43,10 @@ def test_the_static_backend_chains_only_where_asked_or_graphed(draft_model):
 @pytest.mark.parametrize("stop_confidence", [0.0, 0.5])
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_a_greedy_chain_drafts_what_the_pass_by_pass_loop_drafts(draft_model, k, stop_confidence):
-    host, device = drafter(draft_model, False, stop_confidence=stop_confidence), drafter(draft_model, True, stop_confidence=stop_confidence)
+    host, device = (
+        drafter(draft_model, False, stop_confidence=stop_confidence),
+        drafter(draft_model, True, stop_confidence=stop_confidence),
+    )
     context = [1, 5, 9, 13]
     cut = 0
     for step in range(6):
@@ -87,7 +90,10 @@ def test_a_chain_across_an_attention_window_boundary(draft_model):
     host, device = drafter(draft_model, False), drafter(draft_model, True)
     context = [(3 * i) % VOCAB for i in range(253)]
     assert device.model.window(252) == 256 and device.model.window(252 + 6) == 512
-    assert device.propose(context, 7, SamplingConfig(), None).tokens == host.propose(context, 7, SamplingConfig(), None).tokens
+    assert (
+        device.propose(context, 7, SamplingConfig(), None).tokens
+        == host.propose(context, 7, SamplingConfig(), None).tokens
+    )
 
 
 def test_an_interrupted_chain_leaves_the_cache_as_it_was(draft_model):
@@ -109,7 +115,10 @@ def test_an_interrupted_chain_leaves_the_cache_as_it_was(draft_model):
         lm.chain(logits, 4, picker)
     assert list(lm.cached_tokens) == context  # as context_logits left it
     # Whole: the next draft is what a fresh drafter drafts.
-    assert device.propose(context, 4, SamplingConfig(), None).tokens == reference.propose(context, 4, SamplingConfig(), None).tokens
+    assert (
+        device.propose(context, 4, SamplingConfig(), None).tokens
+        == reference.propose(context, 4, SamplingConfig(), None).tokens
+    )
     assert list(lm.cached_tokens) == list(reference.model.cached_tokens)
 
 
@@ -180,8 +189,11 @@ def test_sample_draws_each_row_from_its_distribution():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_k=20, top_p=0.95, seed=7)],
-                         ids=["greedy", "coupled"])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(), SamplingConfig(temperature=0.8, top_k=20, top_p=0.95, seed=7)],
+    ids=["greedy", "coupled"],
+)
 def test_a_graphed_chain_drafts_what_the_loop_drafts_on_cuda(sampling):
     model = tiny_llama(VOCAB, seed=11, logit_scale=3.0, max_positions=1024).to("cuda")
     host = ModelDrafter(wrap_static(model, device_chains=False), VOCAB)
@@ -209,7 +221,9 @@ def test_fused_graphed_decoding_equals_the_unfused_targets_greedy_on_cuda(pairs,
     pair = pairs[0]
     target, draft = copy.deepcopy(pair.target).to("cuda"), copy.deepcopy(pair.draft).to("cuda")
     assert fuse_projections(target) and fuse_projections(draft)
-    decoder = SpeculativeDecoder(wrap_static(target), tokenizer, [EOS], ModelDrafter(wrap_static(draft), len(tokenizer)))
+    decoder = SpeculativeDecoder(
+        wrap_static(target), tokenizer, [EOS], ModelDrafter(wrap_static(draft), len(tokenizer))
+    )
     for prompt in PROMPTS[:2]:  # (the CUDA tests share a minute in scripts/gpu_check.sh)
         ids = encode(tokenizer, prompt)
         for tree in (False, True):

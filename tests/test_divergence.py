@@ -85,6 +85,11 @@ def test_first_difference():
 def test_as_dict():
     d = Divergence(4, 3, None, 0.0625, 0.25, "bfloat16")
     assert d.as_dict() == {
-        "kind": "near-tie", "position": 4, "plain_token": 3, "speculative_token": None,
-        "gap": 0.0625, "tolerance": 0.25, "dtype": "bfloat16",
+        "kind": "near-tie",
+        "position": 4,
+        "plain_token": 3,
+        "speculative_token": None,
+        "gap": 0.0625,
+        "tolerance": 0.25,
+        "dtype": "bfloat16",
     }

@@ -13,30 +13,36 @@ from speccli.models.drafts import choose_draft, drafts_for
 from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
-@pytest.mark.parametrize("target, draft", [
-    ("llama3-70b", "llama3-8b"),  # the tool's own example pair
-    ("meta-llama/Meta-Llama-3-70B-Instruct", "llama3-8b"),  # by Hub id
-    ("llama3.1-8b", "llama3.2-1b"),  # nothing smaller in its family: the same tokenizer's smallest
-    ("qwen2.5-7b", "qwen2.5-0.5b"),
-    (DEFAULT_TARGET, DEFAULT_DRAFT),  # the offline pair
-    ("someone/unknown-7b", "ngram"),
-    ("llama3.2-1b", "ngram"),  # the smallest of its tokenizer
-])
+@pytest.mark.parametrize(
+    "target, draft",
+    [
+        ("llama3-70b", "llama3-8b"),  # the tool's own example pair
+        ("meta-llama/Meta-Llama-3-70B-Instruct", "llama3-8b"),  # by Hub id
+        ("llama3.1-8b", "llama3.2-1b"),  # nothing smaller in its family: the same tokenizer's smallest
+        ("qwen2.5-7b", "qwen2.5-0.5b"),
+        (DEFAULT_TARGET, DEFAULT_DRAFT),  # the offline pair
+        ("someone/unknown-7b", "ngram"),
+        ("llama3.2-1b", "ngram"),  # the smallest of its tokenizer
+    ],
+)
 def test_auto_picks_from_the_registry(target, draft):
     assert choose_draft(target).name == draft
 
 
-@pytest.mark.parametrize("target, draft", [
-    ("llama3.1-8b", "eagle3:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),  # its registered EAGLE-3 head
-    ("llama3-70b", "eagle:yuhuili/EAGLE-LLaMA3-Instruct-70B"),  # EAGLE-1/2 where no EAGLE-3 head is registered
-    ("llama3.3-70b", "eagle3:yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"),
-    ("qwen3-8b", "eagle3:AngelSlim/Qwen3-8B_eagle3"),
-    ("vicuna-7b", "medusa:FasterDecoding/medusa-vicuna-7b-v1.3"),
-    ("llama3.1-70b", "llama3.1-8b"),  # no head registered: the same-family model
-    ("qwen2.5-7b", "qwen2.5-0.5b"),
-    (DEFAULT_TARGET, DEFAULT_DRAFT),
-    ("someone/unknown-7b", "ngram"),
-])
+@pytest.mark.parametrize(
+    "target, draft",
+    [
+        ("llama3.1-8b", "eagle3:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),  # its registered EAGLE-3 head
+        ("llama3-70b", "eagle:yuhuili/EAGLE-LLaMA3-Instruct-70B"),  # EAGLE-1/2 where no EAGLE-3 head is registered
+        ("llama3.3-70b", "eagle3:yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"),
+        ("qwen3-8b", "eagle3:AngelSlim/Qwen3-8B_eagle3"),
+        ("vicuna-7b", "medusa:FasterDecoding/medusa-vicuna-7b-v1.3"),
+        ("llama3.1-70b", "llama3.1-8b"),  # no head registered: the same-family model
+        ("qwen2.5-7b", "qwen2.5-0.5b"),
+        (DEFAULT_TARGET, DEFAULT_DRAFT),
+        ("someone/unknown-7b", "ngram"),
+    ],
+)
 def test_auto_on_cuda_takes_a_registered_published_head_first(target, draft):
     assert choose_draft(target, cuda=True).name == draft
 
@@ -53,8 +59,15 @@ def test_drafts_for_lists_models_heads_and_drafters(tmp_path):
     heads.parent.mkdir(parents=True)
     heads.write_bytes(b"")
     options = drafts_for("llama3.1-70b", tmp_path)
-    assert [o.name for o in options] == ["llama3.1-8b", "llama3.2-1b", "llama3.2-3b", "llama3-8b", "eagle", "ngram",
-                                         "lookahead"]
+    assert [o.name for o in options] == [
+        "llama3.1-8b",
+        "llama3.2-1b",
+        "llama3.2-3b",
+        "llama3-8b",
+        "eagle",
+        "ngram",
+        "lookahead",
+    ]
     assert [o.name for o in options if o.auto] == ["llama3.1-8b"]
     assert [o.name for o in options if o.auto_cuda] == ["llama3.1-8b"]
 
@@ -79,8 +92,13 @@ def test_models_drafts_for_in_json_and_as_a_table(tmp_path, monkeypatch):
     listed = CliRunner().invoke(app, ["models", "--drafts-for", "qwen2.5-7b", "--json"])
     assert listed.exit_code == 0
     items = json.loads(listed.stdout)
-    assert items[0] == {"name": "qwen2.5-0.5b", "kind": "model", "about": "Qwen2.5 0.5B Instruct, 0.5B (same family)",
-                        "auto": True, "auto_cuda": True}
+    assert items[0] == {
+        "name": "qwen2.5-0.5b",
+        "kind": "model",
+        "about": "Qwen2.5 0.5B Instruct, 0.5B (same family)",
+        "auto": True,
+        "auto_cuda": True,
+    }
     table = CliRunner().invoke(app, ["models", "--drafts-for", "someone/unknown-7b"])
     assert "--draft auto: someone/unknown-7b is not in specgen's registry" in table.stdout
 
@@ -90,8 +108,9 @@ def test_generate_says_what_auto_chose(tmp_path, tokenizer, monkeypatch):
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
     folder = save_model_folder(tiny_llama(len(tokenizer), seed=1), tokenizer, tmp_path / "mine")
-    result = CliRunner().invoke(app, ["generate", "abc", "--target", str(folder), "--device", "cpu", "--dtype",
-                                      "float32", "-n", "4"])
+    result = CliRunner().invoke(
+        app, ["generate", "abc", "--target", str(folder), "--device", "cpu", "--dtype", "float32", "-n", "4"]
+    )
     assert result.exit_code == 0, result.stderr
     assert f"draft: ngram (--draft auto: {folder} is not in specgen's registry" in result.stderr
 

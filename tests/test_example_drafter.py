@@ -57,8 +57,22 @@ def test_draft_echo_from_the_command_line(echo, tmp_path):
     folder = save_model_folder(tiny_llama(len(tokenizer), seed=1, logit_scale=20.0), tokenizer, tmp_path / "target")
     result = CliRunner().invoke(
         app,
-        ["generate", "abcabcabc", "--target", str(folder), "--draft", "echo", *ON_CPU, "--dtype", "float32",
-         "-n", "12", "--k", "2", "--json"],
+        [
+            "generate",
+            "abcabcabc",
+            "--target",
+            str(folder),
+            "--draft",
+            "echo",
+            *ON_CPU,
+            "--dtype",
+            "float32",
+            "-n",
+            "12",
+            "--k",
+            "2",
+            "--json",
+        ],
     )
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)

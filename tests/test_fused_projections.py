@@ -47,8 +47,15 @@ def test_biased_qkv_projections_fuse_too():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(4)
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     qwen = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         for layer in qwen.model.layers:
@@ -106,7 +113,12 @@ class SwappedMLP(nn.Module):
 
     def __init__(self, mlp) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = (
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+            mlp.act_fn,
+        )
 
     def forward(self, x):
         return self.down_proj(self.gate_proj(x) * self.act_fn(self.up_proj(x)))
@@ -149,8 +161,17 @@ def test_models_are_fused_on_load_on_cuda_with_dense_weights(model, device, quan
 
 
 def test_a_fused_model_says_so():
-    loaded = LoadedModel(name="m", resolved=ResolvedModel("local-folder", "m", None, "a folder"), model=None, tokenizer=None,
-                         device=torch.device("cuda"), dtype=torch.bfloat16, quant="none", load_seconds=1.0, linear="fused")
+    loaded = LoadedModel(
+        name="m",
+        resolved=ResolvedModel("local-folder", "m", None, "a folder"),
+        model=None,
+        tokenizer=None,
+        device=torch.device("cuda"),
+        dtype=torch.bfloat16,
+        quant="none",
+        load_seconds=1.0,
+        linear="fused",
+    )
     assert loaded.describe() == "m: local-folder, bfloat16, q/k/v and gate/up fused on cuda, loaded in 1.0 s"
 
 

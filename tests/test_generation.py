@@ -94,9 +94,14 @@ def test_one_encoder_for_text_and_conversations():
     with pytest.raises(NoChatTemplateError):
         encode_prompt(tokenizer, Prompt.of("hi", chat=True))
     tokenizer.chat_template = TEMPLATE
-    assert tokenizer.decode(encode_prompt(tokenizer, Prompt.of("hi", chat=True, system="S"))) == "system: S\nuser: hi\nassistant:"
+    assert (
+        tokenizer.decode(encode_prompt(tokenizer, Prompt.of("hi", chat=True, system="S")))
+        == "system: S\nuser: hi\nassistant:"
+    )
     given = Prompt.conversation([{"role": "system", "content": "A"}, {"role": "user", "content": "hi"}], system="B")
-    assert tokenizer.decode(encode_prompt(tokenizer, given)) == "system: A\nuser: hi\nassistant:"  # its own system stays
+    assert (
+        tokenizer.decode(encode_prompt(tokenizer, given)) == "system: A\nuser: hi\nassistant:"
+    )  # its own system stays
     tokenizer.chat_template = "{{ raise_exception('no') }}"
     with pytest.raises(PromptError, match="^the model's chat template refused the conversation: no$"):
         encode_prompt(tokenizer, Prompt.of("hi", chat=True))

@@ -14,8 +14,15 @@ from test_models_registry import write_tiny_gguf
 TOKENS = ["<unk>", "<s>", "</s>", "a", "b", "ab"]
 
 
-def write_metadata_gguf(path, architecture: str, *, name: str = "tiny", own_output: bool = True,
-                        vocab_size: int | None = None, rope_base: float = 1000000.0):
+def write_metadata_gguf(
+    path,
+    architecture: str,
+    *,
+    name: str = "tiny",
+    own_output: bool = True,
+    vocab_size: int | None = None,
+    rope_base: float = 1000000.0,
+):
     """Metadata as llama.cpp's converter writes it, and the tensors whose names the config reads."""
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name(name)

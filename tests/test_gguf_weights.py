@@ -29,7 +29,9 @@ def test_torch_kernels_equal_the_gguf_package_bit_for_bit(ggml_type, tmp_path):
     kind = gguf.GGMLQuantizationType(ggml_type)
     block_elements, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     rows, columns = 3, 2 * 256
-    raw = np.random.default_rng(ggml_type).integers(0, 256, rows * columns // block_elements * block_bytes, dtype=np.uint8)
+    raw = np.random.default_rng(ggml_type).integers(
+        0, 256, rows * columns // block_elements * block_bytes, dtype=np.uint8
+    )
     tensor = gguf_file.GgufTensor("w", (rows, columns), ggml_type, 0, raw.size)
     ours = gguf_weights.dequantize(_mapped(tmp_path, raw.tobytes()), tensor, set(TORCH_TYPES))
     with np.errstate(all="ignore"):  # random scale bytes include NaN and infinity

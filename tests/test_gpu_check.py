@@ -20,7 +20,11 @@ def run_driver(out: Path, *args: str) -> subprocess.CompletedProcess:
     # the suite shares the cores (seen: 100 s), and a stage cut short is an error by design.
     return subprocess.run(
         [sys.executable, "scripts/gpu_check.py", "--smoke", "--budget", "400", "--out", str(out), *args],
-        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=600,
     )
 
 
@@ -52,14 +56,19 @@ def test_the_smoke_run_measures_every_stage(tmp_path):
     heads = data["eagle3"]  # the EAGLE-3 stage: features of three layers kept, a head step timed
     assert heads["features_width"] == 3 * 64 and list(heads["verify_ms"]) == ["1", "8", "16"]
     # A step is the difference of two medians: on a loaded CPU it can come out below zero.
-    assert heads["head_first_token_ms"] > 0 and all(isinstance(heads[k], float) for k in ("head_step_ms", "head_step_ms_host_picks"))
+    assert heads["head_first_token_ms"] > 0 and all(
+        isinstance(heads[k], float) for k in ("head_step_ms", "head_step_ms_host_picks")
+    )
     assert "## EAGLE-3 head on a smoke target" in table
     assert result.stdout == table + "\n"
 
 
 def test_unknown_formats_are_refused(tmp_path):
     result = run_driver(tmp_path / "out", "--formats", "bf16,int3")
-    assert result.returncode == 2 and "--formats takes bf16, int4, int4-hqq, nf4, fp8, bf16+compile; not int3" in result.stderr
+    assert (
+        result.returncode == 2
+        and "--formats takes bf16, int4, int4-hqq, nf4, fp8, bf16+compile; not int3" in result.stderr
+    )
 
 
 def test_the_prediction_counts_each_pass_and_draft_token():

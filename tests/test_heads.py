@@ -111,7 +111,9 @@ def trained(tmp_path_factory):
     results = {}
     for kind, rate in (("medusa", 1e-2), ("eagle", 3e-3)):
         config = TrainConfig(kind, heads=3, vocab=40, epochs=20, batch_segments=4, learning_rate=rate)
-        trainer = Trainer(config, target, features.select(train_index), features.select(held_index), folder / f"{kind}.ckpt")
+        trainer = Trainer(
+            config, target, features.select(train_index), features.select(held_index), folder / f"{kind}.ckpt"
+        )
         trainer.run()
         results[kind] = trainer
     return tokenizer, target, corpus, features, results
@@ -191,7 +193,9 @@ def test_training_lowers_the_loss_and_measures_held_out_accuracy(trained, kind):
     # guess standing in for the token after it; EAGLE: the target's top layer).
     tokenizer, target, corpus, features, _ = trained
     train_index, held_index = corpus.split()
-    untrained = Trainer(trainer.config, target, features.select(train_index), features.select(held_index), trainer.checkpoint)
+    untrained = Trainer(
+        trainer.config, target, features.select(train_index), features.select(held_index), trainer.checkpoint
+    )
     before = untrained.accuracy()
     assert accuracy[0] > before[0] + 0.1, (before, accuracy)
 
@@ -231,7 +235,9 @@ def test_heads_round_trip_and_are_refused_for_another_target(trained, tmp_path, 
     tokenizer, target, _, _, results = trained
     trainer = results[kind]
     identity = target_identity(target, "tiny-target")
-    path = save_heads(trainer.heads(identity, {"tokens": 2432, "accuracy": trainer.accuracy()}), tmp_path / f"{kind}.safetensors")
+    path = save_heads(
+        trainer.heads(identity, {"tokens": 2432, "accuracy": trainer.accuracy()}), tmp_path / f"{kind}.safetensors"
+    )
     loaded = load_heads(path, target, "tiny-target", kind)
     assert loaded.kind == kind and torch.equal(loaded.vocab.ids, trainer.vocab.ids)
     assert loaded.training["tokens"] == 2432
@@ -291,10 +297,17 @@ def trained_drafter(trained, kind: str):
     if kind == "medusa":
         return MedusaDrafter(trainer.module, trainer.vocab, torch.float32)
     rows = target.lm_head.weight.detach()[trainer.vocab.ids]
-    return EagleDrafter(trainer.module, trainer.vocab, target.get_input_embeddings(), OutputRows(rows), dtype=torch.float32)
+    return EagleDrafter(
+        trainer.module, trainer.vocab, target.get_input_embeddings(), OutputRows(rows), dtype=torch.float32
+    )
 
 
-CODE_PROMPTS = ["def add(a, b):\n", "for i in range(10):\n    print(", "class Point:\n    def", "def mul(a, b):\n    return"]
+CODE_PROMPTS = [
+    "def add(a, b):\n",
+    "for i in range(10):\n    print(",
+    "class Point:\n    def",
+    "def mul(a, b):\n    return",
+]
 
 
 @pytest.mark.parametrize("k, tree", [(1, False), (3, False), ("auto", False), (3, True), ("auto", True)])

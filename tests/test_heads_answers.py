@@ -130,7 +130,9 @@ def test_a_batch_of_greedy_answers_is_each_prompts_own_greedy_continuation():
 
     model = tiny_llama(40, seed=3, logit_scale=4.0).eval()
     prompts = [[5, 6, 7, 8, 9, 10], [11], [12, 13, 14]]
-    alone = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    alone = [
+        model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist() for p in prompts
+    ]
     assert greedy_batch(model, prompts, 12, stop=[39]) == alone  # padded on the left, masked: the same tokens
     # Each answer ends before its first stop token; the others run on.
     stop = alone[0][4]

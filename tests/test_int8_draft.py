@@ -11,7 +11,7 @@ from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.drafters.model import ModelDrafter
 from speccli.events import StepEvent, TokenEvent
 from speccli.loop import SpeculativeDecoder
-from speccli.models import choices, loading
+from speccli.models import choices
 from speccli.models.errors import ModelLoadError
 from speccli.models.int8 import int8_problem, quantize_int8
 from speccli.models.loading import choose_quant, load_model
@@ -102,7 +102,9 @@ def test_int8_draft_output_is_exactly_the_targets_greedy_output(pairs, tokenizer
     accepted = 0
     for prompt in PROMPTS:
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        reference = pair.target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        reference = pair.target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[
+            0, len(ids) :
+        ].tolist()
         if 2 in reference:
             reference = reference[: reference.index(2)]
         events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=4, max_new_tokens=24)))

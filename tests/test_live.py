@@ -125,9 +125,7 @@ def made_stats() -> GenerationStats:
 
 def test_answer_line_exact():
     stats = made_stats()  # 10 tokens in 3 steps, 7 of 12 drafts accepted, 0.3 s decoding
-    assert answer_line(stats) == (
-        "10 tokens | 33.3 tok/s | acceptance 58.3% | 3.33 tokens/step | first token 0.12 s"
-    )
+    assert answer_line(stats) == ("10 tokens | 33.3 tok/s | acceptance 58.3% | 3.33 tokens/step | first token 0.12 s")
     assert answer_line(stats, interrupted=True, has_drafter=False) == (
         "interrupted | 10 tokens | 33.3 tok/s | first token 0.12 s"
     )
@@ -145,13 +143,22 @@ def test_stats_summary_says_why_acceptance_is_missing():
 
 def report(**changes) -> SessionReport:
     values = dict(
-        answers=3, interrupted=1, tokens=120, steps=40, acceptance=0.75,
-        acceptance_by_position=[0.9, 0.8, 0.7, 0.6], tokens_per_step=3.0,
-        predicted_tokens_per_step=3.05, mean_draft_length=4.0, tokens_per_second=30.0,
-        mean_first_token_seconds=0.2, baseline_tokens_per_second=12.0,
+        answers=3,
+        interrupted=1,
+        tokens=120,
+        steps=40,
+        acceptance=0.75,
+        acceptance_by_position=[0.9, 0.8, 0.7, 0.6],
+        tokens_per_step=3.0,
+        predicted_tokens_per_step=3.05,
+        mean_draft_length=4.0,
+        tokens_per_second=30.0,
+        mean_first_token_seconds=0.2,
+        baseline_tokens_per_second=12.0,
         baseline_method="plain target decoding (no drafter) of 8 tokens after each finished answer,"
         " up to 64 tokens per session; measured so far: 16 tokens in 2 slices",
-        speedup=2.5, has_drafter=True,
+        speedup=2.5,
+        has_drafter=True,
     )
     values.update(changes)
     return SessionReport(**values)
@@ -193,9 +200,18 @@ def test_session_report_without_figures(changes, expected):
 def test_empty_session_report():
     text = session_report(
         report(
-            answers=0, interrupted=0, tokens=0, steps=0, acceptance=None, acceptance_by_position=[],
-            tokens_per_step=None, predicted_tokens_per_step=None, mean_draft_length=None,
-            tokens_per_second=None, mean_first_token_seconds=None, baseline_tokens_per_second=None,
+            answers=0,
+            interrupted=0,
+            tokens=0,
+            steps=0,
+            acceptance=None,
+            acceptance_by_position=[],
+            tokens_per_step=None,
+            predicted_tokens_per_step=None,
+            mean_draft_length=None,
+            tokens_per_second=None,
+            mean_first_token_seconds=None,
+            baseline_tokens_per_second=None,
             speedup=None,
         )
     )

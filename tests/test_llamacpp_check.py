@@ -13,7 +13,7 @@ import pytest
 from speccli.models import llamacpp_check
 from speccli.models.llamacpp_check import KernelCheck, extra_buffers_verdict, verdict_of
 
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install \".[llamacpp]\")")
+pytest.importorskip("llama_cpp", reason='llama-cpp-python is not installed (pip install ".[llamacpp]")')
 
 
 def _exit(code: int) -> subprocess.CompletedProcess:
@@ -49,8 +49,10 @@ def test_a_crashing_trial_loads_without_extra_buffers_and_is_not_run_again(model
     verdict = extra_buffers_verdict(model_file, tmp_path / "cache", said.append, trial)
     assert verdict.extra_buffers is False and trials == [model_file]
     assert said[0].startswith("checking llama.cpp's AMX kernels on m.gguf")
-    assert said[1] == ("llama.cpp: its repacked-weight (AMX) kernels die of SIGILL on this CPU;"
-                       " loading m.gguf without them (generic kernels)")
+    assert said[1] == (
+        "llama.cpp: its repacked-weight (AMX) kernels die of SIGILL on this CPU;"
+        " loading m.gguf without them (generic kernels)"
+    )
     # A new process (the memo emptied) reads the cached verdict instead of trying again.
     monkeypatch.setattr(llamacpp_check, "_CHECKS", {})
     assert extra_buffers_verdict(model_file, tmp_path / "cache", None, trial).extra_buffers is False

@@ -81,7 +81,9 @@ class TestWindow:
         # The tree's rows are untouched by the window.
         reference = backend(model)
         reference.forward(context[:-1])
-        torch.testing.assert_close(logits[: len(tree) + 1], reference.forward([context[-1], 30, 31]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            logits[: len(tree) + 1], reference.forward([context[-1], 30, 31]), atol=1e-5, rtol=1e-5
+        )
 
 
 class TestPool:
@@ -91,7 +93,6 @@ class TestPool:
         tree = drafter.propose_tree([9, 1], TreeShape(max_depth=2, max_nodes=8), SamplingConfig(), None)
         # n-grams after 1: (2, 3), (2, 4), (5, 6); the latest two, the latest first, merged.
         assert (tree.tokens, tree.parents) == ([5, 6, 2, 4], [ROOT, 0, ROOT, 2])
-
 
     def test_the_tree_also_offers_what_followed_the_texts_last_tokens_before(self):
         drafter = LookaheadDrafter(LookaheadShape(window=2, ngram=3, guesses=1))
@@ -124,7 +125,6 @@ class TestPool:
         assert drafter.lookup_length == 6 and guess(context) == []  # 99 never occurred before
         assert drafter.lookup_length == 3
 
-
     def test_a_cold_start_forgets_the_pool_and_the_window(self):
         drafter = LookaheadDrafter(LookaheadShape(window=2, ngram=3, guesses=1))
         drafter.start([1, 2, 3, 1, 2, 4])
@@ -138,8 +138,25 @@ class TestPool:
 
 
 # Pass cost by tokens fed, x one token: a 2-core AMD EPYC in bfloat16 on 2026-12-03.
-AMD_BFLOAT16 = {1: 1.0, 2: 1.0, 3: 1.04, 4: 1.06, 5: 1.11, 6: 1.16, 7: 1.16, 8: 1.2, 9: 1.25, 10: 1.41, 11: 1.31,
-                12: 1.43, 13: 1.39, 14: 1.41, 15: 1.43, 16: 1.44, 17: 1.69}
+AMD_BFLOAT16 = {
+    1: 1.0,
+    2: 1.0,
+    3: 1.04,
+    4: 1.06,
+    5: 1.11,
+    6: 1.16,
+    7: 1.16,
+    8: 1.2,
+    9: 1.25,
+    10: 1.41,
+    11: 1.31,
+    12: 1.43,
+    13: 1.39,
+    14: 1.41,
+    15: 1.43,
+    16: 1.44,
+    17: 1.69,
+}
 
 
 class TestShapeChoice:
@@ -164,7 +181,9 @@ class TestShapeChoice:
     def test_where_a_few_tokens_cost_what_one_does_a_small_window(self):
         # The AMD EPYC in bfloat16 on 2026-12-03 (one-token products as two rows): 4 tokens
         # 1.06x one, 7 tokens 1.16x; the 7-token shape promises 1.14 tokens for 1.16x a pass.
-        assert choose_shape(CostCurve({fed: 0.162 * r for fed, r in AMD_BFLOAT16.items()}, None)) == LookaheadShape(2, 2, 1)
+        assert choose_shape(CostCurve({fed: 0.162 * r for fed, r in AMD_BFLOAT16.items()}, None)) == LookaheadShape(
+            2, 2, 1
+        )
 
     def test_the_smallest_window_where_its_pass_is_the_cheaper(self):
         costs = {1: 0.1, 2: 0.1, 3: 0.1, **{fed: 0.11 + 0.01 * fed for fed in range(4, 18)}}
@@ -189,8 +208,25 @@ class TestShapeChoice:
         # The AMD EPYC in bfloat16 (a benchmark's calibration, ms): one token measured dearer than
         # two. At 170 ms the 7-token shape would pay where prompt lookup guesses nothing; at 162,
         # as the gate prices a one-token pass, its window would not ride there: none.
-        ms = {1: 170, 2: 162, 3: 190, 4: 182, 5: 195, 6: 195, 7: 187, 8: 212, 9: 216, 10: 244, 11: 258, 12: 224,
-              13: 236, 14: 239, 15: 253, 16: 278, 17: 247}
+        ms = {
+            1: 170,
+            2: 162,
+            3: 190,
+            4: 182,
+            5: 195,
+            6: 195,
+            7: 187,
+            8: 212,
+            9: 216,
+            10: 244,
+            11: 258,
+            12: 224,
+            13: 236,
+            14: 239,
+            15: 253,
+            16: 278,
+            17: 247,
+        }
         assert choose_shape(CostCurve({fed: t / 1000 for fed, t in ms.items()}, None)) is None
 
     def test_without_measurements_the_default(self):
@@ -205,8 +241,10 @@ class TestShapeChoice:
 
 
 # Flat measured costs: the largest shape. The AMD EPYC's bfloat16 curve: a small one (W 2, N 2, G 1).
-AUTO_COSTS = {"auto": {fed: 0.1 for fed in range(1, 18)},
-              "auto-steep": {fed: 0.1 * r for fed, r in AMD_BFLOAT16.items()}}
+AUTO_COSTS = {
+    "auto": {fed: 0.1 for fed in range(1, 18)},
+    "auto-steep": {fed: 0.1 * r for fed, r in AMD_BFLOAT16.items()},
+}
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, "auto", "auto-steep"])
@@ -246,6 +284,7 @@ def virtual_clock(decoder: SpeculativeDecoder, seconds: dict[int, float]) -> Non
     now = [0.0]
     target = decoder.target
     for name in ("forward", "forward_tree"):
+
         def timed(tokens, *args, _real=getattr(target, name), **kwargs):
             now[0] += seconds[min(len(tokens), max(seconds))]
             return _real(tokens, *args, **kwargs)
@@ -299,7 +338,9 @@ def test_where_neither_lookahead_nor_prompt_lookup_pays_plain_decoding(pairs, to
     pair = pairs[0]
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], LookaheadDrafter())
     decoder.costs = CostCurve({1: 0.4, **{fed: 1.0 for fed in range(2, 18)}}, None)
-    events = list(decoder.generate(encode(tokenizer, "hello"), SamplingConfig(), SpecConfig(k="auto", max_new_tokens=8)))
+    events = list(
+        decoder.generate(encode(tokenizer, "hello"), SamplingConfig(), SpecConfig(k="auto", max_new_tokens=8))
+    )
     steps = [e for e in events if isinstance(e, StepEvent)]
     assert all(e.fed == 1 and not e.tree for e in steps)
     assert all(e.provenance.value == "target" for e in events if isinstance(e, TokenEvent))
@@ -483,8 +524,11 @@ class TestGate:
         for i, candidates in enumerate(offers):
             gate.offer(candidates)
             k = gate.next_k()
-            chosen.append({(True, True): "P", (True, False): "W", (False, True): "p", (False, False): "."}[
-                (gate.window_step, gate.pool_step)])
+            chosen.append(
+                {(True, True): "P", (True, False): "W", (False, True): "p", (False, False): "."}[
+                    (gate.window_step, gate.pool_step)
+                ]
+            )
             fed = 1 + gate.guess_length + gate.window_tokens * gate.window_step + 2 * candidates * gate.pool_step
             gate.observe(StepEvent(i, k, gain * gate.pool_step, 0.0, 0.1, fed=fed, tree=gate.lookahead_step))
         return "".join(chosen)
@@ -543,9 +587,13 @@ def test_where_the_window_pays_beside_no_guess_it_rides_every_step_there(pairs, 
     decoder.costs = CostCurve(AUTO_COSTS["auto-steep"], None)
     steps = []
     for prompt in PROMPTS:
-        events = list(decoder.generate(encode(tokenizer, prompt), SamplingConfig(), SpecConfig(k="auto", max_new_tokens=MAX_NEW)))
+        events = list(
+            decoder.generate(encode(tokenizer, prompt), SamplingConfig(), SpecConfig(k="auto", max_new_tokens=MAX_NEW))
+        )
         steps += [e for e in events if isinstance(e, StepEvent)][:-1]  # a last step may have room for one token
     unguessed = [e for e in steps if e.tree and e.guessed == 0]
-    assert unguessed and all(e.fed >= 3 for e in unguessed)  # the pending token, the window, and the pool where it has n-grams
+    assert unguessed and all(
+        e.fed >= 3 for e in unguessed
+    )  # the pending token, the window, and the pool where it has n-grams
     assert not [e for e in steps if e.fed == 1]  # no plain step
     assert any(e.tree and e.fed == 3 for e in steps)  # the window alone, where the pool has nothing to offer

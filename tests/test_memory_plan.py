@@ -40,21 +40,32 @@ def test_the_nf4_estimate_is_what_bitsandbytes_allocates(tmp_path, tokenizer):
     model = tiny_llama(len(tokenizer), seed=1, hidden=128, layers=2)
     folder = save_model_folder(model, tokenizer, tmp_path / "m")
     quantized = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16, device_map={"": "cpu"},
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True),
+        folder,
+        dtype=torch.bfloat16,
+        device_map={"": "cpu"},
+        quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=True,
+        ),
     )
     estimate = memory_need(meta_model(model.config), "4bit", torch.bfloat16).weights
     assert abs(estimate - loaded_bytes(quantized)) / loaded_bytes(quantized) < 0.05
 
 
 def test_a_model_that_does_not_fit_is_refused_with_what_would():
-    need = {q: MemoryNeed(w * GB, 0.5 * GB, 1.0 * GB) for q, w in {"none": 15.2, "8bit": 7.7, "int4": 4.1, "4bit": 4.0}.items()}
+    need = {
+        q: MemoryNeed(w * GB, 0.5 * GB, 1.0 * GB)
+        for q, w in {"none": 15.2, "8bit": 7.7, "int4": 4.1, "4bit": 4.0}.items()
+    }
     check_fits("qwen-7b", need["int4"], "int4", 10 * GB, "cuda:0", need)  # fits: no error
     with pytest.raises(ModelLoadError) as info:
         check_fits("qwen-7b", need["none"], "none", 10 * GB, "cuda:0", need)
-    assert str(info.value) == ("qwen-7b in none needs 16.7 GB on cuda:0 (15.2 GB of weights, 0.5 GB of KV cache for "
-                               "4,096 tokens, 1.0 GB working), and 10.0 GB is free")
+    assert str(info.value) == (
+        "qwen-7b in none needs 16.7 GB on cuda:0 (15.2 GB of weights, 0.5 GB of KV cache for "
+        "4,096 tokens, 1.0 GB working), and 10.0 GB is free"
+    )
     assert info.value.hint == "use --quant 8bit (9.2 GB) or --quant int4 (5.6 GB) or --quant 4bit (5.5 GB)"
     with pytest.raises(ModelLoadError) as nothing:
         check_fits("qwen-7b", need["4bit"], "4bit", 2 * GB, "cuda:0", need)
@@ -64,7 +75,9 @@ def test_a_model_that_does_not_fit_is_refused_with_what_would():
 def test_target_and_draft_must_fit_together():
     target, draft = MemoryNeed(8 * GB, 0, 1 * GB), MemoryNeed(2 * GB, 0, 1 * GB)
     check_pair_fits("t", target, "d", draft, 12 * GB, "cuda:0")
-    with pytest.raises(ModelLoadError, match=r"t \(9.0 GB\) and d \(3.0 GB\) need 12.0 GB together on cuda:0, and 11.0 GB is free"):
+    with pytest.raises(
+        ModelLoadError, match=r"t \(9.0 GB\) and d \(3.0 GB\) need 12.0 GB together on cuda:0, and 11.0 GB is free"
+    ):
         check_pair_fits("t", target, "d", draft, 11 * GB, "cuda:0")
 
 
@@ -89,7 +102,9 @@ def test_models_shows_weights_from_a_config_here_else_the_registered_shapes(tmp_
     assert weight_sizes("llama3-70b", tmp_path)["bf16"] == 141_107_412_992  # registered shapes
     config = load_llama8b_config(tmp_path)
     config.num_hidden_layers = 31  # the local config wins over the registered one
-    monkeypatch.setattr("speccli.models.plan._local_config", lambda alias, cache: config if alias == "llama3-8b" else None)
+    monkeypatch.setattr(
+        "speccli.models.plan._local_config", lambda alias, cache: config if alias == "llama3-8b" else None
+    )
     sizes = weight_sizes("llama3-8b", tmp_path)
     assert sizes["bf16"] == 2 * (8_030_261_248 - 218_112_000) > sizes["8bit"] > sizes["4bit"]
 

@@ -61,7 +61,9 @@ def test_different_special_tokens():
     assert str(info.value) == "tokenizers' bos tokens differ: target '<s>' (id 1) vs draft '</s>' (id 2)"
 
     other_eos = _tokenizer_with_specials("<unk>", "<s>", "<pad>")
-    with pytest.raises(TokenizerMismatchError, match="eos tokens differ: target '</s>' \\(id 2\\) vs draft '<pad>' \\(id 3\\)"):
+    with pytest.raises(
+        TokenizerMismatchError, match="eos tokens differ: target '</s>' \\(id 2\\) vs draft '<pad>' \\(id 3\\)"
+    ):
         check_tokenizers_compatible(target, other_eos)
 
     padded = _tokenizer_with_specials("<unk>", "<s>", "</s>", pad="<pad>")
@@ -101,7 +103,9 @@ def test_tokenizers_that_add_other_special_tokens_around_a_text_are_refused():
 
     target = char_tokenizer()
     with_bos = copy.deepcopy(target)
-    with_bos.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    with_bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
     assert with_bos("a")["input_ids"] == [1, 3]
     with pytest.raises(TokenizerMismatchError) as info:
         check_tokenizers_compatible(target, with_bos)

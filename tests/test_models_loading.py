@@ -159,7 +159,10 @@ def test_choose_quant_without_bitsandbytes(monkeypatch):
     assert choose_quant("auto", CUDA0) == "none"  # auto falls back
     with pytest.raises(ModelLoadError) as info:
         choose_quant("4bit", CPU)
-    assert str(info.value) == "--quant 4bit needs bitsandbytes, which cannot be imported here (ImportError: no module named bitsandbytes)"
+    assert (
+        str(info.value)
+        == "--quant 4bit needs bitsandbytes, which cannot be imported here (ImportError: no module named bitsandbytes)"
+    )
     assert "pip install bitsandbytes" in info.value.hint and "--quant none" in info.value.hint
 
 
@@ -218,7 +221,10 @@ def _recorders(monkeypatch):
 def test_trust_remote_code_is_off_by_default(folder, cache, monkeypatch):
     calls = _recorders(monkeypatch)
     load_model(str(folder), LoadConfig(device="cpu", dtype="float32"), cache_dir=cache)
-    assert [(kind, kwargs["trust_remote_code"]) for kind, _, kwargs in calls] == [("tokenizer", False), ("model", False)]
+    assert [(kind, kwargs["trust_remote_code"]) for kind, _, kwargs in calls] == [
+        ("tokenizer", False),
+        ("model", False),
+    ]
     model_kwargs = calls[1][2]
     assert model_kwargs == {"dtype": torch.float32, "trust_remote_code": False}  # no device_map, no quantization
     calls.clear()
@@ -268,8 +274,15 @@ def test_quantized_on_cpu_decodes_losslessly(quant_pair, cache, quant, layer_cla
     expected = getattr(bnb.nn, layer_class)
     for loaded in (target, draft):
         for layer in loaded.model.model.layers:
-            projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                           layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+            projections = [
+                layer.self_attn.q_proj,
+                layer.self_attn.k_proj,
+                layer.self_attn.v_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_proj,
+                layer.mlp.up_proj,
+                layer.mlp.down_proj,
+            ]
             assert all(type(p) is expected for p in projections)
         # bitsandbytes keeps the head in full precision: a float32 nn.Linear, which runs through oneDNN.
         assert type(loaded.model.lm_head) is OneDnnLinear
@@ -280,7 +293,9 @@ def test_quantized_on_cpu_decodes_losslessly(quant_pair, cache, quant, layer_cla
     references = {p: _greedy_reference(target.model, encode(tokenizer, p)) for p in PROMPTS}
     decoders = {
         "model": SpeculativeDecoder(
-            HFCausalLM(target.model), tokenizer, target.eos_token_ids,
+            HFCausalLM(target.model),
+            tokenizer,
+            target.eos_token_ids,
             ModelDrafter(HFCausalLM(draft.model), target.vocab_size),
         ),
         "lookup": SpeculativeDecoder(HFCausalLM(target.model), tokenizer, target.eos_token_ids, PromptLookupDrafter()),
@@ -352,8 +367,10 @@ def test_load_gguf_file(tiny_gguf_file, cache, monkeypatch):
     assert [(kind, loc, "gguf_file" in kw) for kind, loc, kw in calls] == [("tokenizer", str(saved[0]), False)]
     assert not any("converting" in m for m in messages)
     assert again.quant == "gguf→bfloat16" and again.dtype is torch.bfloat16
-    assert torch.equal(again.model.state_dict()["model.layers.0.mlp.up_proj.weight"],
-                       source.state_dict()["model.layers.0.mlp.up_proj.weight"].to(torch.bfloat16))
+    assert torch.equal(
+        again.model.state_dict()["model.layers.0.mlp.up_proj.weight"],
+        source.state_dict()["model.layers.0.mlp.up_proj.weight"].to(torch.bfloat16),
+    )
     assert again.tokenizer.get_vocab() == loaded.tokenizer.get_vocab()
     for text in ("abc 123", "ab ab", "zz9"):
         assert again.tokenizer(text)["input_ids"] == loaded.tokenizer(text)["input_ids"]
@@ -401,7 +418,11 @@ def test_offline_alias_loads_through_resolve(tiny_gguf_file, tmp_path, monkeypat
     monkeypatch.setattr(offline, "resolve_offline", fake_resolve)
     loaded = load_model("SmolLM2-135M", LoadConfig(device="cpu", dtype="float32"), cache_dir=tmp_path)
     assert assembled == ["smollm2-135m"]
-    assert (loaded.resolved.kind, loaded.resolved.alias, loaded.quant) == ("offline-package", "smollm2-135m", "gguf→float32")
+    assert (loaded.resolved.kind, loaded.resolved.alias, loaded.quant) == (
+        "offline-package",
+        "smollm2-135m",
+        "gguf→float32",
+    )
     with pytest.raises(ModelLoadError, match="cannot apply to a GGUF file"):
         load_model("smollm2-135m", LoadConfig(device="cpu", quant="8bit"), cache_dir=tmp_path)
     assert assembled == ["smollm2-135m"]  # refused before assembling
@@ -477,10 +498,16 @@ def _http_error(cls, message):
 @pytest.mark.parametrize(
     "cause, message_end, hint_part",
     [
-        (lambda: _http_error(GatedRepoError, "Access to model x/y is restricted"),
-         "x/y is a gated repository this machine has no access to", "hf auth login"),
-        (lambda: _http_error(RepositoryNotFoundError, "Repository Not Found for url"),
-         "there is no model x/y on the Hugging Face Hub, nor a local folder of that name", "check the spelling"),
+        (
+            lambda: _http_error(GatedRepoError, "Access to model x/y is restricted"),
+            "x/y is a gated repository this machine has no access to",
+            "hf auth login",
+        ),
+        (
+            lambda: _http_error(RepositoryNotFoundError, "Repository Not Found for url"),
+            "there is no model x/y on the Hugging Face Hub, nor a local folder of that name",
+            "check the spelling",
+        ),
     ],
 )
 def test_hub_errors(cache, monkeypatch, cause, message_end, hint_part):
@@ -549,7 +576,9 @@ def test_unknown_architecture(folder, tmp_path, cache):
 
 def test_custom_code_needs_trust_remote_code(folder, tmp_path, cache):
     custom = _folder_with_config(
-        folder, tmp_path / "custom", model_type="frobnicator",
+        folder,
+        tmp_path / "custom",
+        model_type="frobnicator",
         auto_map={"AutoConfig": "modeling_frob.FrobConfig", "AutoModelForCausalLM": "modeling_frob.FrobForCausalLM"},
     )
     with pytest.raises(ModelLoadError) as info:
@@ -589,8 +618,16 @@ class _Obj:
 )
 def test_eos_token_ids(generation_eos, tokenizer_eos, expected):
     model = _Obj(generation_config=_Obj(eos_token_id=generation_eos), config=_Obj(eos_token_id=None))
-    loaded = LoadedModel("m", ResolvedModel("local-folder", "/x", None, "x"), model, _Obj(eos_token_id=tokenizer_eos),
-                         CPU, torch.float32, "none", 0.0)
+    loaded = LoadedModel(
+        "m",
+        ResolvedModel("local-folder", "/x", None, "x"),
+        model,
+        _Obj(eos_token_id=tokenizer_eos),
+        CPU,
+        torch.float32,
+        "none",
+        0.0,
+    )
     assert loaded.eos_token_ids == expected
 
 
@@ -599,7 +636,9 @@ def test_end_of_generation_tokens_stop_whatever_the_config_names():
     vocab = {"<|endoftext|>": 151643, "<|im_end|>": 151645, "<|fim_prefix|>": 151659}
     model = _Obj(generation_config=_Obj(eos_token_id=151645), config=_Obj(eos_token_id=None))
     tokenizer = _Obj(eos_token_id=151645, get_added_vocab=lambda: vocab)
-    loaded = LoadedModel("m", ResolvedModel("local-folder", "/x", None, "x"), model, tokenizer, CPU, torch.float32, "none", 0.0)
+    loaded = LoadedModel(
+        "m", ResolvedModel("local-folder", "/x", None, "x"), model, tokenizer, CPU, torch.float32, "none", 0.0
+    )
     assert loaded.eos_token_ids == [151645, 151643]
 
 

@@ -52,13 +52,16 @@ def test_loads_from_the_offline_package(smollm2):
 def test_engine_greedy_equals_generate(smollm2):
     loaded, _ = smollm2
     tok = loaded.tokenizer
-    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+    prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     out = loaded.model.generate(
-        torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1,
+        torch.tensor([ids]),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        num_beams=1,
         pad_token_id=tok.pad_token_id,
     )
-    reference = out[0, len(ids):].tolist()
+    reference = out[0, len(ids) :].tolist()
     eos = set(loaded.eos_token_ids)
     cut = next((i for i, t in enumerate(reference) if t in eos), len(reference))
     reference = reference[:cut]

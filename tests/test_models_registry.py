@@ -125,7 +125,9 @@ def model_folder(tmp_path_factory) -> Path:
 
 def test_local_folder(model_folder):
     r = resolve(str(model_folder))
-    assert r == ResolvedModel("local-folder", str(model_folder.resolve()), None, f"local folder {model_folder.resolve()}")
+    assert r == ResolvedModel(
+        "local-folder", str(model_folder.resolve()), None, f"local folder {model_folder.resolve()}"
+    )
     assert not r.is_gguf and r.gguf_path is None
 
 
@@ -210,7 +212,10 @@ def test_alias_table():
         "llama3.3-70b": "meta-llama/Llama-3.3-70B-Instruct",
         "llama3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
         "llama3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
-        **{f"qwen2.5-{s.lower()}": f"Qwen/Qwen2.5-{s}-Instruct" for s in ("0.5B", "1.5B", "3B", "7B", "14B", "32B", "72B")},
+        **{
+            f"qwen2.5-{s.lower()}": f"Qwen/Qwen2.5-{s}-Instruct"
+            for s in ("0.5B", "1.5B", "3B", "7B", "14B", "32B", "72B")
+        },
         **{
             f"qwen2.5-coder-{s.lower()}": f"Qwen/Qwen2.5-Coder-{s}-Instruct"
             for s in ("0.5B", "1.5B", "3B", "7B", "14B", "32B")
@@ -222,7 +227,11 @@ def test_alias_table():
         "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
     }
     assert {name: a.hub_id for name, a in ALIASES.items()} == expected
-    assert {name for name, a in ALIASES.items() if a.offline} == {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"}
+    assert {name for name, a in ALIASES.items() if a.offline} == {
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-0.5b",
+        "smollm2-135m",
+    }
     for a in ALIASES.values():
         assert a.name == a.name.lower()
         assert a.offline is None or a.offline in offline.OFFLINE_MODELS
@@ -311,7 +320,11 @@ def test_alias_is_case_insensitive(fake_offline, tmp_path):
 
 def test_alias_without_assembling(fake_offline, tmp_path):
     r = resolve("qwen2.5-coder-1.5b", cache_dir=tmp_path, assemble=False)
-    assert (r.kind, r.location, r.gguf_file) == ("offline-package", str(tmp_path), "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf")
+    assert (r.kind, r.location, r.gguf_file) == (
+        "offline-package",
+        str(tmp_path),
+        "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+    )
     single = resolve("smollm2-135m", cache_dir=tmp_path, assemble=False)
     assert single.location == str(tmp_path / "site")  # where pip put the one-part model
     assert fake_offline == []
@@ -322,7 +335,9 @@ def test_installed_qwen_packages_resolve_offline(tmp_path, monkeypatch):
     for alias in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
         if offline.installed_parts(offline.OFFLINE_MODELS[alias]) is None:
             pytest.skip(f"{alias}'s offline packages are not installed")
-    monkeypatch.setattr(offline, "resolve_offline", lambda model, cache_dir, progress=None: Path(cache_dir) / model.filename)
+    monkeypatch.setattr(
+        offline, "resolve_offline", lambda model, cache_dir, progress=None: Path(cache_dir) / model.filename
+    )
     for alias in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
         r = resolve(alias, cache_dir=tmp_path)
         assert r.kind == "offline-package" and r.gguf_file == offline.OFFLINE_MODELS[alias].filename
@@ -336,7 +351,12 @@ def test_alias_falls_back_to_hub_without_package(monkeypatch):
 
     monkeypatch.setattr(offline, "resolve_offline", boom)
     r = resolve("qwen2.5-coder-1.5b")
-    assert (r.kind, r.location, r.gguf_file, r.alias) == ("hub", "Qwen/Qwen2.5-Coder-1.5B-Instruct", None, "qwen2.5-coder-1.5b")
+    assert (r.kind, r.location, r.gguf_file, r.alias) == (
+        "hub",
+        "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        None,
+        "qwen2.5-coder-1.5b",
+    )
     assert "pip install" in r.description
     r = resolve("smollm2-135m")
     assert (r.kind, r.location) == ("hub", "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -418,9 +438,7 @@ def _fake_hf_cache(root: Path, repo_id: str, files: dict[str, bytes]) -> None:
 
 def test_list_models(monkeypatch, tmp_path):
     installed = {"smollm2-135m"}
-    monkeypatch.setattr(
-        offline, "installed_parts", lambda m: [tmp_path / m.filename] if m.alias in installed else None
-    )
+    monkeypatch.setattr(offline, "installed_parts", lambda m: [tmp_path / m.filename] if m.alias in installed else None)
     hf = tmp_path / "hf"
     _fake_hf_cache(hf, "Qwen/Qwen2.5-7B-Instruct", {"config.json": b"{}", "model.safetensors": b"x" * 5000})
     _fake_hf_cache(hf, "Qwen/Qwen2.5-3B-Instruct", {"config.json": b"{}"})  # no weights: not usable offline

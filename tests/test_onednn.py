@@ -89,7 +89,7 @@ def test_greedy_speculative_output_on_onednn_equals_the_stock_targets_own(pairs,
         ids = tokenizer(prompt)["input_ids"]
         with torch.inference_mode():
             out = pair.target.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
-        reference = out[0, len(ids):].tolist()
+        reference = out[0, len(ids) :].tolist()
         reference = reference[: reference.index(2)] if 2 in reference else reference
         assert greedy_tokens(decoder, ids, 40) == reference, prompt
 
@@ -261,7 +261,9 @@ class ScriptedKernels:
 
 def test_stock_rows_are_those_below_the_first_count_where_onednn_is_as_fast(monkeypatch):
     # The Xeon's MLP weight: PyTorch's kernel faster for 1-3 rows, slower at 4.
-    kernels = ScriptedKernels({1: 1.10, 2: 1.14, 3: 1.16, 4: 2.60, 5: 2.7}, {1: 1.24, 2: 1.98, 3: 2.06, 4: 2.18, 5: 2.3})
+    kernels = ScriptedKernels(
+        {1: 1.10, 2: 1.14, 3: 1.16, 4: 2.60, 5: 2.7}, {1: 1.24, 2: 1.98, 3: 2.06, 4: 2.18, 5: 2.3}
+    )
     kernels.install(monkeypatch)
     weights = [torch.zeros(8, 1 << 20), torch.zeros(8, 1 << 20)]  # two layers: one product each per timing
     assert onednn.stock_rows_below(weights, rounds=3, clock=kernels.clock) == 4

@@ -44,7 +44,9 @@ def test_the_hand_computed_sizes(llama70b, llama8b):
     int4 = 80 * LAYER_70B_MATRICES * (0.5 + 4 / 128) + 2 * (EMBEDDINGS_70B + NORMS_70B)
     assert memory_need(llama70b, "int4", BF16).weights == pytest.approx(int4) and round(int4) == 40_569_946_112
     # Two GPUs: every matrix halved, the norms on both.
-    assert memory_need(llama70b, "none", BF16, tp=2).weights == (80 * LAYER_70B_MATRICES + EMBEDDINGS_70B) + 2 * NORMS_70B
+    assert (
+        memory_need(llama70b, "none", BF16, tp=2).weights == (80 * LAYER_70B_MATRICES + EMBEDDINGS_70B) + 2 * NORMS_70B
+    )
     # KV cache: 2 (keys, values) x 80 layers x 8 heads x 128 x tokens x 2 bytes; heads split over GPUs.
     assert memory_need(llama70b, "none", BF16, kv_tokens=8192).kv_cache == 2 * 80 * 8 * 128 * 8192 * 2
     assert memory_need(llama70b, "none", BF16, kv_tokens=8192, tp=2).kv_cache == 2 * 80 * 4 * 128 * 8192 * 2
@@ -52,19 +54,23 @@ def test_the_hand_computed_sizes(llama70b, llama8b):
 
 def test_a_pair_too_large_is_told_what_fits(llama70b, llama8b):
     plan = plan_pair("llama3-70b", llama70b, "llama3-8b", llama8b, "none", "none", BF16, gpu_bytes=80e9, gpus=8)
-    assert plan_pair("llama3-70b", llama70b, None, None, "none", "none", BF16, gpu_bytes=80e9, gpus=1).suggestions[0] == (
-        "use --tp 2 on 2 80 GB GPUs (this machine has 1)")
+    assert plan_pair("llama3-70b", llama70b, None, None, "none", "none", BF16, gpu_bytes=80e9, gpus=1).suggestions[
+        0
+    ] == ("use --tp 2 on 2 80 GB GPUs (this machine has 1)")
     assert plan.fits is False
-    assert plan.verdict() == ("llama3-70b in none needs 141 GB of weights (168.9 GB with the draft): "
-                              "use --tp 4 on 4 80 GB GPUs, or --quant int4, 41 GB, on one")
+    assert plan.verdict() == (
+        "llama3-70b in none needs 141 GB of weights (168.9 GB with the draft): "
+        "use --tp 4 on 4 80 GB GPUs, or --quant int4, 41 GB, on one"
+    )
     alone = plan_pair("llama3-70b", llama70b, None, None, "none", "none", BF16, gpu_bytes=80e9, gpus=2)
     assert alone.suggestions[0] == "use --tp 2 on 2 80 GB GPUs"
     assert plan_pair("llama3-70b", llama70b, "llama3-8b", llama8b, "int4", "int4", BF16, gpu_bytes=80e9).fits
 
 
 def run_plan(*args: str):
-    return CliRunner().invoke(app, ["plan", "--target", str(DATA / "llama3-70b"), "--draft", str(DATA / "llama3-8b"),
-                                    "-q", *args])
+    return CliRunner().invoke(
+        app, ["plan", "--target", str(DATA / "llama3-70b"), "--draft", str(DATA / "llama3-8b"), "-q", *args]
+    )
 
 
 def test_plan_exits_2_when_the_pair_does_not_fit_and_0_when_it_does():
@@ -74,7 +80,9 @@ def test_plan_exits_2_when_the_pair_does_not_fit_and_0_when_it_does():
     fits = run_plan("--quant", "int4", "--gpu-memory", "80", "--json")
     assert fits.exit_code == 0
     plan = json.loads(fits.stdout)
-    assert plan["fits"] is True and plan["target_weights"] == 40_569_946_112 and plan["draft_on_first_gpu"]["weights"] > 0
+    assert (
+        plan["fits"] is True and plan["target_weights"] == 40_569_946_112 and plan["draft_on_first_gpu"]["weights"] > 0
+    )
     split = json.loads(run_plan("--quant", "none", "--gpu-memory", "80", "--tp", "4", "--json").stdout)
     assert split["fits"] is True and split["tp"] == 4
 

@@ -125,7 +125,9 @@ def test_verify_cost_growth_limits_k():
     # Verifying costs 0.2 s up to 3 tokens and doubles past that (as float32 on a CPU);
     # drafts are free and always right: 2 drafted tokens (3 fed) are the sweet spot.
     policy = AdaptiveDraftLength(max_k=8)
-    chosen = train(policy, acceptance=1.0, verify=lambda n: 0.2 if n <= 3 else 0.4 + 0.1 * n, draft_per_token=0.0, steps=80)
+    chosen = train(
+        policy, acceptance=1.0, verify=lambda n: 0.2 if n <= 3 else 0.4 + 0.1 * n, draft_per_token=0.0, steps=80
+    )
     assert chosen[-10:] == [2] * 10
 
 
@@ -182,8 +184,25 @@ def test_probes_draft_what_the_curve_favours_and_back_off():
 
 
 # llama.cpp on a 2-core AVX512 CPU (ms by tokens fed): a pass grows with every token.
-LINEAR = {1: 34, 2: 58, 3: 79, 4: 96, 5: 116, 6: 137, 7: 173, 8: 242, 9: 258, 10: 261, 11: 278, 12: 288,
-          13: 306, 14: 355, 15: 338, 16: 292, 17: 370}
+LINEAR = {
+    1: 34,
+    2: 58,
+    3: 79,
+    4: 96,
+    5: 116,
+    6: 137,
+    7: 173,
+    8: 242,
+    9: 258,
+    10: 261,
+    11: 278,
+    12: 288,
+    13: 306,
+    14: 355,
+    15: 338,
+    16: 292,
+    17: 370,
+}
 
 
 @pytest.mark.parametrize("prior", [0.7, 0.97])
@@ -241,7 +260,10 @@ def test_long_drafts_where_passes_are_flat_up_to_where_more_never_pays():
     # Past 9 fed tokens a pass costs twice as much: even a draft that is always right is
     # best at 8, so longer drafts are never tried.
     knee = AdaptiveDraftLength(max_k=16)
-    verify = lambda n: 0.17 if n <= 9 else 0.34 + 0.01 * n
+
+    def verify(n: int) -> float:
+        return 0.17 if n <= 9 else 0.34 + 0.01 * n
+
     knee.costs.seed({n: verify(n) for n in range(1, 18)}, 0.01)
     assert max(train(knee, acceptance=1.0, verify=verify, draft_per_token=0.01)) == 8
 
@@ -352,8 +374,25 @@ def test_prompt_lookup_remembers_each_match_length_and_all_pooled():
 
 # Measured: float32 on a 2-core AMD EPYC with AVX2 only (2026-12-03): a pass over 2 tokens
 # costs 1.4x one, then grows slowly; a draft token (int8 0.5B) 45 ms.
-AVX2_F32 = {1: 0.261, 2: 0.375, 3: 0.39, 4: 0.411, 5: 0.422, 6: 0.424, 7: 0.454, 8: 0.464, 9: 0.475,
-            10: 0.484, 11: 0.503, 12: 0.512, 13: 0.568, 14: 0.566, 15: 0.578, 16: 0.609, 17: 0.62}
+AVX2_F32 = {
+    1: 0.261,
+    2: 0.375,
+    3: 0.39,
+    4: 0.411,
+    5: 0.422,
+    6: 0.424,
+    7: 0.454,
+    8: 0.464,
+    9: 0.475,
+    10: 0.484,
+    11: 0.503,
+    12: 0.512,
+    13: 0.568,
+    14: 0.566,
+    15: 0.578,
+    16: 0.609,
+    17: 0.62,
+}
 
 
 def avx2_policy(**kwargs) -> AdaptiveDraftLength:
@@ -400,8 +439,10 @@ def test_openings_are_learned_apart_and_left_to_the_next_session_apart():
 
     # The next session opens plain at once, and drafts the rest as this one did.
     following = avx2_policy(
-        prior_acceptance=learned.acceptance, prior_steps=learned.steps,
-        opening_prior=learned.opening.acceptance[0], opening_prior_steps=learned.opening.steps,
+        prior_acceptance=learned.acceptance,
+        prior_steps=learned.steps,
+        opening_prior=learned.opening.acceptance[0],
+        opening_prior_steps=learned.opening.steps,
     )
     following.begin()
     assert following.next_k() == 0

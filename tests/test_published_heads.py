@@ -145,7 +145,9 @@ def test_k_auto_drafts_with_a_published_head(tokenizer, target, tmp_path, tree):
         assert emitted(events) == target_greedy(target, ids)[:24], prompt
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, seed=99)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, seed=99)], ids=["greedy", "seeded"]
+)
 @pytest.mark.parametrize("name", ["eagle3-bin", "eagle-bin"])
 def test_eagle_chains_picked_on_the_device_give_the_targets_own_output(tokenizer, target, tmp_path, name, sampling):
     """EagleDrafter's device chains (on by default on CUDA): each token picked and fed back
@@ -211,10 +213,17 @@ def test_seeded_sampling_is_the_targets_own_sample(tokenizer, target, tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, tree, chains", [
-    ("eagle3", False, False), ("eagle3", True, False), ("eagle", False, False), ("medusa", True, False),
-    ("eagle3", False, True),  # tokens picked on the device by inverting q's distribution
-], ids=["eagle3-chain", "eagle3-tree", "eagle-chain", "medusa-tree", "eagle3-device-chain"])
+@pytest.mark.parametrize(
+    "layout, tree, chains",
+    [
+        ("eagle3", False, False),
+        ("eagle3", True, False),
+        ("eagle", False, False),
+        ("medusa", True, False),
+        ("eagle3", False, True),  # tokens picked on the device by inverting q's distribution
+    ],
+    ids=["eagle3-chain", "eagle3-tree", "eagle-chain", "medusa-tree", "eagle3-device-chain"],
+)
 def test_published_heads_sample_the_exact_target_distribution(tmp_path, layout, tree, chains, monkeypatch):
     monkeypatch.setattr(decoder_module, "coupled", lambda sampling: False)
     tokenizer = char_tokenizer(ALPHABET)
@@ -223,8 +232,9 @@ def test_published_heads_sample_the_exact_target_distribution(tmp_path, layout, 
     if layout == "eagle3":  # a draft vocabulary without the special ids
         sizes = {**dims(target.config), "W": vocab - 3}
         shapes = {k: v for k, v in EAGLE3_SHAPES.items() if k not in ("d2t", "t2d")}
-        folder = write_eagle3(tmp_path / "h", target.config, random_tensors(shapes, sizes, 1, scale=1.0),
-                              torch.arange(3, vocab))
+        folder = write_eagle3(
+            tmp_path / "h", target.config, random_tensors(shapes, sizes, 1, scale=1.0), torch.arange(3, vocab)
+        )
     else:
         folder = LAYOUTS[f"{layout}-bin" if layout == "eagle" else "medusa-pt"][1](tmp_path / "h", target)
     drafter = load(layout, folder, target)
@@ -237,22 +247,34 @@ def test_published_heads_sample_the_exact_target_distribution(tmp_path, layout, 
 # --------------------------------------------------------------------------- which features, by config
 
 
-@pytest.mark.parametrize("config", [
-    {},
-    {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]},  # vLLM reads the top-level key as the input of layer i
-    {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}},  # SGLang reads this one as layer i's output
-    {"target_layer_ids": [1, 3, 4]},  # trainers counting the output of layer i
-], ids=["default", "vllm-entering", "sglang-output-of", "target-layer-ids"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]},  # vLLM reads the top-level key as the input of layer i
+        {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}},  # SGLang reads this one as layer i's output
+        {"target_layer_ids": [1, 3, 4]},  # trainers counting the output of layer i
+    ],
+    ids=["default", "vllm-entering", "sglang-output-of", "target-layer-ids"],
+)
 def test_both_layer_id_conventions_select_the_default_features(tokenizer, target, tmp_path, config):
     drafter = load("eagle3", eagle3_folder(tmp_path / "h", target, **config), target)
     assert drafter.feature_layers == default_feature_layers(LAYERS) == (2, 4, 5)
     ids = encode(tokenizer, PROMPTS[1])
     decoder = SpeculativeDecoder(wrap(target), tokenizer, [2], drafter)
-    steps = [e for e in decoder.generate(ids, SamplingConfig(), SpecConfig(k=3, max_new_tokens=16))
-             if isinstance(e, StepEvent)]
+    steps = [
+        e
+        for e in decoder.generate(ids, SamplingConfig(), SpecConfig(k=3, max_new_tokens=16))
+        if isinstance(e, StepEvent)
+    ]
     default = load("eagle3", eagle3_folder(tmp_path / "d", target), target)
-    again = [e for e in SpeculativeDecoder(wrap(target), tokenizer, [2], default).generate(
-        ids, SamplingConfig(), SpecConfig(k=3, max_new_tokens=16)) if isinstance(e, StepEvent)]
+    again = [
+        e
+        for e in SpeculativeDecoder(wrap(target), tokenizer, [2], default).generate(
+            ids, SamplingConfig(), SpecConfig(k=3, max_new_tokens=16)
+        )
+        if isinstance(e, StepEvent)
+    ]
     assert [e.accepted for e in steps] == [e.accepted for e in again]
 
 
@@ -267,9 +289,11 @@ def test_layer_ids_past_the_target_are_refused(target, tmp_path):
 
 def test_a_head_for_another_target_is_refused_by_its_config(tokenizer, target, tmp_path):
     other = tiny_llama(len(tokenizer), seed=3, hidden=64, layers=LAYERS)
-    for layout, folder in (("eagle3", eagle3_folder(tmp_path / "e3", other)),
-                           ("eagle", eagle_folder(tmp_path / "e1", other)),
-                           ("medusa", medusa_folder(tmp_path / "m", other))):
+    for layout, folder in (
+        ("eagle3", eagle3_folder(tmp_path / "e3", other)),
+        ("eagle", eagle_folder(tmp_path / "e1", other)),
+        ("medusa", medusa_folder(tmp_path / "m", other)),
+    ):
         head = read_head(str(folder), layout)
         with pytest.raises(HeadsMismatch, match="hidden size 64, the target's 32") as info:
             check_head(head, target.config, "tiny-target")
@@ -319,7 +343,9 @@ def test_the_cli_refuses_a_head_for_another_target_before_any_weights(tokenizer,
     assert result.exit_code == 2
     assert result.stdout == ""
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
-    assert errors == [f"error: EAGLE-3 head {head} is for someone/big-model, not {folder}: hidden size 64, the target's 32"]
+    assert errors == [
+        f"error: EAGLE-3 head {head} is for someone/big-model, not {folder}: hidden size 64, the target's 32"
+    ]
     assert "Traceback" not in result.stderr
 
 
@@ -327,8 +353,22 @@ def test_the_cli_warns_of_a_head_published_for_another_model_whose_shapes_fit(to
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
     folder = save_model_folder(target, tokenizer, tmp_path / "target")
     head = medusa_folder(tmp_path / "head", target)
-    result = CliRunner().invoke(app, ["generate", "def add(a, b):\n", "--target", str(folder), "--draft",
-                                      f"medusa:{head}", "-n", "12", "--k", "3", *ON_CPU])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "def add(a, b):\n",
+            "--target",
+            str(folder),
+            "--draft",
+            f"medusa:{head}",
+            "-n",
+            "12",
+            "--k",
+            "3",
+            *ON_CPU,
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert f"warning: Medusa head {head} was published for tiny-target; its shapes fit {folder}" in result.stderr
     ids = encode(tokenizer, "def add(a, b):\n")
@@ -340,8 +380,9 @@ def test_the_cli_says_where_to_get_a_hub_head_when_offline(tokenizer, target, tm
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     folder = save_model_folder(target, tokenizer, tmp_path / "target")
-    result = CliRunner().invoke(app, ["generate", "abc", "--target", str(folder), "--draft",
-                                      "eagle3:someone/EAGLE3-head", *ON_CPU])
+    result = CliRunner().invoke(
+        app, ["generate", "abc", "--target", str(folder), "--draft", "eagle3:someone/EAGLE3-head", *ON_CPU]
+    )
     assert result.exit_code != 0
     assert "error: cannot download the head someone/EAGLE3-head" in result.stderr
     assert "hf download someone/EAGLE3-head --local-dir DIR" in result.stderr
@@ -358,15 +399,19 @@ def test_auto_falls_back_when_its_head_cannot_be_fetched(tokenizer, target, tmp_
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setattr(pipeline, "choose_device", lambda requested: torch.device("cuda"))
-    picks = {True: DraftChoice("eagle3:someone/EAGLE3-head", "its registered head"),
-             False: DraftChoice("ngram", "prompt lookup")}
+    picks = {
+        True: DraftChoice("eagle3:someone/EAGLE3-head", "its registered head"),
+        False: DraftChoice("ngram", "prompt lookup"),
+    }
     monkeypatch.setattr(pipeline, "choose_draft", lambda name, cuda=False: picks[cuda])
     folder = save_model_folder(target, tokenizer, tmp_path / "target")
     result = CliRunner().invoke(app, ["generate", "def add(a, b):\n", "--target", str(folder), "-n", "8", *ON_CPU])
     assert result.exit_code == 0, result.stderr
     assert "draft: eagle3:someone/EAGLE3-head (--draft auto: its registered head)" in result.stderr
     assert "draft: ngram instead (cannot download the head someone/EAGLE3-head" in result.stderr
-    assert result.stdout.rstrip("\n") == tokenizer.decode(target_greedy(target, encode(tokenizer, "def add(a, b):\n"))[:8])
+    assert result.stdout.rstrip("\n") == tokenizer.decode(
+        target_greedy(target, encode(tokenizer, "def add(a, b):\n"))[:8]
+    )
 
 
 def test_eagle3_alone_needs_a_registered_head(tokenizer, target, tmp_path, monkeypatch):
@@ -434,8 +479,12 @@ def _argmax_labels(target, window):
 
 def _specgen_acceptance(tokenizer, target, drafter, prompts):
     decoder = SpeculativeDecoder(wrap(target), tokenizer, [], drafter)
-    steps = [e for p in prompts for e in decoder.generate(p, SamplingConfig(), SpecConfig(k=K, max_new_tokens=NEW))
-             if isinstance(e, StepEvent)]
+    steps = [
+        e
+        for p in prompts
+        for e in decoder.generate(p, SamplingConfig(), SpecConfig(k=K, max_new_tokens=NEW))
+        if isinstance(e, StepEvent)
+    ]
     return sum(e.accepted for e in steps) / len(steps)
 
 
@@ -452,8 +501,9 @@ def test_a_trained_eagle3_head_accepts_as_its_reference_does(tokenizer, memorize
         features, labels = ref.layer_inputs(target, window, layers), index[_argmax_labels(target, window)]
         h = ref.eagle3_forward(w, features[:-1], embed(window[1:]), 4, 2)  # row j: feature j, token j + 1
         h2 = ref.eagle3_forward(w, h[:-1], embed(window[2:]), 4, 2)  # a second step reads its own output
-        loss = (torch.nn.functional.cross_entropy(ref.eagle3_logits(w, h), labels[1:], ignore_index=ref.IGNORE)
-                + 0.5 * torch.nn.functional.cross_entropy(ref.eagle3_logits(w, h2), labels[2:], ignore_index=ref.IGNORE))
+        loss = torch.nn.functional.cross_entropy(
+            ref.eagle3_logits(w, h), labels[1:], ignore_index=ref.IGNORE
+        ) + 0.5 * torch.nn.functional.cross_entropy(ref.eagle3_logits(w, h2), labels[2:], ignore_index=ref.IGNORE)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -471,6 +521,7 @@ def test_a_trained_eagle3_head_accepts_as_its_reference_does(tokenizer, memorize
                     features.append(h)
                     embeddings.append(embed(torch.tensor(tokens[-1])))
             return tokens
+
         return ref.acceptance(target, prompts, K, NEW, draft)
 
     folder = write_eagle3(tmp_path / "head", config, w, draft_ids)
@@ -492,9 +543,11 @@ def test_a_trained_eagle_head_accepts_as_its_reference_does(tokenizer, memorized
         features, labels = ref.final_features(target, window), _argmax_labels(target, window)
         h = ref.eagle_forward(w, features[:-1], embed(window[1:]), 4, 2)
         h2 = ref.eagle_forward(w, h[:-1], embed(window[2:]), 4, 2)
-        loss = (torch.nn.functional.cross_entropy(h @ rows.T, labels[1:])
-                + 0.5 * torch.nn.functional.cross_entropy(h2 @ rows.T, labels[2:])
-                + torch.nn.functional.smooth_l1_loss(h, features[1:]))
+        loss = (
+            torch.nn.functional.cross_entropy(h @ rows.T, labels[1:])
+            + 0.5 * torch.nn.functional.cross_entropy(h2 @ rows.T, labels[2:])
+            + torch.nn.functional.smooth_l1_loss(h, features[1:])
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -512,6 +565,7 @@ def test_a_trained_eagle_head_accepts_as_its_reference_does(tokenizer, memorized
                     features.append(h)
                     embeddings.append(embed(torch.tensor(tokens[-1])))
             return tokens
+
         return ref.acceptance(target, prompts, K, NEW, draft)
 
     folder = write_eagle(tmp_path / "head", config, w)
@@ -531,8 +585,10 @@ def test_a_trained_medusa_head_accepts_as_its_reference_does(tokenizer, memorize
     for window in _windows(ids, 200):
         features, labels = ref.final_features(target, window), _argmax_labels(target, window)
         # head h on the feature of p: the token at p + h + 2, which is the target's argmax at p + h + 1
-        loss = sum(torch.nn.functional.cross_entropy(ref.medusa_logits(w, features[: -(h + 1)], h), labels[h + 1 :])
-                   for h in range(heads))
+        loss = sum(
+            torch.nn.functional.cross_entropy(ref.medusa_logits(w, features[: -(h + 1)], h), labels[h + 1 :])
+            for h in range(heads)
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -544,6 +600,7 @@ def test_a_trained_medusa_head_accepts_as_its_reference_does(tokenizer, memorize
             feature = ref.final_features(target, context if off_by_one else context[:-1])[-1]
             with torch.no_grad():
                 return [int(ref.medusa_logits(w, feature, h).argmax()) for h in range(heads)]
+
         return ref.acceptance(target, prompts, K, NEW, draft)
 
     folder = write_medusa(tmp_path / "head", w, heads, 1)

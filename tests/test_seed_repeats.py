@@ -61,8 +61,20 @@ def draft_args(folders, method: str) -> list[str]:
 
 def cli_args(folders, seed: int, method: str) -> list[str]:
     return [
-        "generate", PROMPT, "--target", folders["target"], *draft_args(folders, method), "--dtype", "float32",
-        "-q", "--temperature", "0.8", "--seed", str(seed), "-n", str(MAX_NEW),
+        "generate",
+        PROMPT,
+        "--target",
+        folders["target"],
+        *draft_args(folders, method),
+        "--dtype",
+        "float32",
+        "-q",
+        "--temperature",
+        "0.8",
+        "--seed",
+        str(seed),
+        "-n",
+        str(MAX_NEW),
     ]
 
 
@@ -75,7 +87,11 @@ def test_generate_prints_the_same_text_for_a_seed_with_any_drafter_and_k(folders
     for method in ("none", "auto", "auto"):
         result = subprocess.run(
             [sys.executable, "-m", "speccli.cli", *cli_args(folders, 1, method)],
-            capture_output=True, cwd=REPO, env=env, timeout=300, stdin=subprocess.DEVNULL,
+            capture_output=True,
+            cwd=REPO,
+            env=env,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
         )
         assert result.returncode == 0, result.stderr.decode()
         assert result.stdout.decode() == expected, method
@@ -108,7 +124,9 @@ def test_chat_answers_replay_for_a_seed_with_any_drafter(folders):
         target = HFCausalLM(model)
         drafter_ = ModelDrafter(HFCausalLM(draft_model), target.vocab_size) if drafter else None
         settings = ChatSettings.of(max_tokens=MAX_NEW, k=k)
-        chat = ChatSession(Speculator(SpeculativeDecoder(target, tokenizer, [EOS], drafter_)), settings, None, model_info={})
+        chat = ChatSession(
+            Speculator(SpeculativeDecoder(target, tokenizer, [EOS], drafter_)), settings, None, model_info={}
+        )
         chat.set("temperature", "0.9")
         chat.set("seed", "5")
         return chat
@@ -119,7 +137,12 @@ def test_chat_answers_replay_for_a_seed_with_any_drafter(folders):
     def answers(chat: ChatSession) -> list[str]:
         return [text(chat.ask("hello")), text(chat.regenerate()), text(chat.regenerate()), text(chat.ask("and then?"))]
 
-    runs = [answers(session(False, 4)), answers(session(True, 1)), answers(session(True, "auto")), answers(session(True, "auto"))]
+    runs = [
+        answers(session(False, 4)),
+        answers(session(True, 1)),
+        answers(session(True, "auto")),
+        answers(session(True, "auto")),
+    ]
     assert all(run == runs[0] for run in runs[1:]), runs
     first, regen1, regen2, _ = runs[0]
     assert len({first, regen1, regen2}) > 1  # /regen draws a new sample (seed + n)

@@ -16,8 +16,16 @@ from speccli.models.registry import ALIASES
 from speccli.models.shapes import SHAPES, shape_config
 
 DATA = Path(__file__).parent / "data"
-FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-          "vocab_size", "tie_word_embeddings", "max_position_embeddings")
+FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+)
 
 
 @pytest.fixture
@@ -31,8 +39,10 @@ def test_every_alias_has_its_shapes():
     assert sorted(a.hub_id for a in ALIASES.values() if a.hub_id not in SHAPES) == []
 
 
-@pytest.mark.parametrize("folder, hub_id", [("llama3-70b", "meta-llama/Meta-Llama-3-70B-Instruct"),
-                                            ("llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct")])
+@pytest.mark.parametrize(
+    "folder, hub_id",
+    [("llama3-70b", "meta-llama/Meta-Llama-3-70B-Instruct"), ("llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct")],
+)
 def test_the_shapes_are_the_hubs_config(folder, hub_id):
     """tests/data holds the Hub's config.json of both (see test_plan.py)."""
     hub = json.loads((DATA / folder / "config.json").read_text())
@@ -61,7 +71,9 @@ def test_the_offline_packages_shapes_are_their_files():
         pytest.skip("no offline package is installed and assembled here")
 
 
-@pytest.mark.parametrize("alias", ["llama3-70b", "llama3.2-1b", "qwen2.5-7b", "qwen3-32b", "vicuna-33b", "smollm2-135m"])
+@pytest.mark.parametrize(
+    "alias", ["llama3-70b", "llama3.2-1b", "qwen2.5-7b", "qwen3-32b", "vicuna-33b", "smollm2-135m"]
+)
 def test_sizes_from_two_layers_equal_the_whole_models(alias, tmp_path, no_hub):
     """`specgen models` counts one and two layers and extrapolates: the same bytes as the whole
     meta model, in every format."""
@@ -71,12 +83,16 @@ def test_sizes_from_two_layers_equal_the_whole_models(alias, tmp_path, no_hub):
 
 
 def test_plan_sizes_a_registered_pair_without_the_network(no_hub):
-    result = CliRunner().invoke(app, ["plan", "--target", "llama3-70b", "--draft", "llama3-8b", "--quant", "none",
-                                      "--gpu-memory", "80", "--json"])
+    result = CliRunner().invoke(
+        app,
+        ["plan", "--target", "llama3-70b", "--draft", "llama3-8b", "--quant", "none", "--gpu-memory", "80", "--json"],
+    )
     assert result.exit_code == 2, result.output  # 141 GB of weights: refused, with what fits
     plan = json.loads(result.stdout)
     assert plan["target_weights"] == 141_107_412_992 and "use --tp 4 on 4 80 GB GPUs" in plan["verdict"]
-    assert "llama3-70b: sizes from the shapes specgen registers for meta-llama/Meta-Llama-3-70B-Instruct" in result.stderr
+    assert (
+        "llama3-70b: sizes from the shapes specgen registers for meta-llama/Meta-Llama-3-70B-Instruct" in result.stderr
+    )
 
 
 def test_plan_still_needs_the_hub_for_a_model_it_does_not_know(no_hub):

@@ -96,7 +96,9 @@ def test_rollback_only_moves_the_write_position(pairs, tokenizer):
     torch.testing.assert_close(logits, fresh, rtol=1e-5, atol=1e-5)
     backend.rollback(0)
     assert list(backend.cached_tokens) == []
-    torch.testing.assert_close(backend.forward(ids, all_logits=False), wrap(pair.target).forward(ids)[-1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        backend.forward(ids, all_logits=False), wrap(pair.target).forward(ids)[-1:], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_long_prompts_prefill_in_chunks_and_grow_the_cache(pairs, tokenizer):
@@ -146,8 +148,15 @@ def test_models_the_static_cache_cannot_serve_are_refused():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
     )
     model = Qwen2ForCausalLM(config)
     assert "StaticSlidingWindowLayer" in static_cache_problem(model)
@@ -209,9 +218,27 @@ def test_generate_reports_the_backend_and_checks_the_option(tmp_path, tokenizer)
 
     def specgen(*args):
         return subprocess.run(
-            [sys.executable, "-m", "speccli.cli", "generate", "abc", "--target", folder, "--draft", "none",
-             "--dtype", "float32", "-n", "4", "--json", "-q", *args],
-            capture_output=True, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo), "SPECGEN_CACHE": str(tmp_path)},
+            [
+                sys.executable,
+                "-m",
+                "speccli.cli",
+                "generate",
+                "abc",
+                "--target",
+                folder,
+                "--draft",
+                "none",
+                "--dtype",
+                "float32",
+                "-n",
+                "4",
+                "--json",
+                "-q",
+                *args,
+            ],
+            capture_output=True,
+            cwd=repo,
+            env={**os.environ, "PYTHONPATH": str(repo), "SPECGEN_CACHE": str(tmp_path)},
             timeout=300,
         )
 
@@ -290,7 +317,8 @@ def test_graphed_tree_passes_give_the_eager_logits(tokenizer):
         torch.testing.assert_close(
             graphed.forward_tree(fed, positions, tree.visibility(), cached),
             eager.forward_tree(fed, positions, tree.visibility(), cached),
-            rtol=1e-5, atol=1e-5,
+            rtol=1e-5,
+            atol=1e-5,
         )
         graphed.rollback(cached)
         eager.rollback(cached)

@@ -24,9 +24,21 @@ def test_tiny_synthetic_pair(tmp_path):
     char_tokenizer().save_pretrained(tokenizer_folder)
     out = tmp_path / "pair"
     result = subprocess.run(
-        [sys.executable, "scripts/synthetic_pair.py", str(out), "--scale", "tiny", "--tokenizer", str(tokenizer_folder),
-         "--dtype", "float32"],
-        capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600,
+        [
+            sys.executable,
+            "scripts/synthetic_pair.py",
+            str(out),
+            "--scale",
+            "tiny",
+            "--tokenizer",
+            str(tokenizer_folder),
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr.decode()
     info = json.loads((out / "synthetic.json").read_text())

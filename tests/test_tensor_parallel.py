@@ -25,8 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 def folders(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("tp")
     target = tiny_llama(len(tokenizer), seed=1, logit_scale=10.0, max_positions=4096)
-    return (save_model_folder(target, tokenizer, root / "target"),
-            save_model_folder(perturbed_copy(target, noise=0.3, seed=2), tokenizer, root / "draft"))
+    return (
+        save_model_folder(target, tokenizer, root / "target"),
+        save_model_folder(perturbed_copy(target, noise=0.3, seed=2), tokenizer, root / "draft"),
+    )
 
 
 def specgen(cache: Path, *args: str, **popen) -> subprocess.CompletedProcess | subprocess.Popen:
@@ -39,20 +41,36 @@ def specgen(cache: Path, *args: str, **popen) -> subprocess.CompletedProcess | s
 
 def tokens(cache: Path, folders, *args: str) -> tuple[list[int], str]:
     target, draft = folders
-    result = specgen(cache, "generate", "hello hello", "--target", str(target), "--dtype", "float32", "-n", "24",
-                     "--json", "-q", *[str(draft) if a == "DRAFT" else a for a in args])
+    result = specgen(
+        cache,
+        "generate",
+        "hello hello",
+        "--target",
+        str(target),
+        "--dtype",
+        "float32",
+        "-n",
+        "24",
+        "--json",
+        "-q",
+        *[str(draft) if a == "DRAFT" else a for a in args],
+    )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     return out["token_ids"], out["settings"]["backend"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", [
-    ("--draft", "DRAFT", "--k", "4"),
-    ("--draft", "ngram"),
-    ("--draft", "DRAFT", "--k", "3", "--tree"),
-    ("--draft", "DRAFT", "--temperature", "1", "--seed", "7"),
-], ids=["model-draft", "ngram", "tree", "seeded-sampling"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        ("--draft", "DRAFT", "--k", "4"),
+        ("--draft", "ngram"),
+        ("--draft", "DRAFT", "--k", "3", "--tree"),
+        ("--draft", "DRAFT", "--temperature", "1", "--seed", "7"),
+    ],
+    ids=["model-draft", "ngram", "tree", "seeded-sampling"],
+)
 def test_two_ranks_give_the_one_process_tokens(tmp_path, folders, method):
     alone, backend = tokens(tmp_path, folders, *method)
     split, split_backend = tokens(tmp_path, folders, *method, "--tp", "2")
@@ -63,8 +81,26 @@ def test_two_ranks_give_the_one_process_tokens(tmp_path, folders, method):
 @pytest.mark.slow
 def test_a_dead_rank_ends_the_run_with_one_line(tmp_path, folders):
     target, draft = folders
-    run = specgen(tmp_path, "generate", "hello", "--target", str(target), "--draft", str(draft), "--dtype", "float32",
-                  "-n", "3000", "--k", "2", "-q", "--tp", "2", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run = specgen(
+        tmp_path,
+        "generate",
+        "hello",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--dtype",
+        "float32",
+        "-n",
+        "3000",
+        "--k",
+        "2",
+        "-q",
+        "--tp",
+        "2",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     log = tmp_path / "logs" / "rank-1.log"
     try:
         deadline = time.monotonic() + 120
@@ -83,14 +119,17 @@ def test_a_dead_rank_ends_the_run_with_one_line(tmp_path, folders):
     stderr = run.stderr.read().decode()
     assert code == 1
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith("error: rank 1 of the tensor-parallel run was killed by signal 9; the other ranks were stopped"), stderr
+    assert lines[-1].startswith(
+        "error: rank 1 of the tensor-parallel run was killed by signal 9; the other ranks were stopped"
+    ), stderr
     assert "Traceback" not in stderr
 
 
 def test_tp_refuses_what_transformers_plan_cannot_split(tmp_path, folders):
     target, _ = folders
-    result = specgen(tmp_path, "generate", "hi", "--target", str(target), "--draft", "none", "--quant", "4bit",
-                     "--tp", "2", "-q")
+    result = specgen(
+        tmp_path, "generate", "hi", "--target", str(target), "--draft", "none", "--quant", "4bit", "--tp", "2", "-q"
+    )
     assert result.returncode == 2
     assert "--tp 2 splits unquantized weights; --quant 4bit is not split by transformers' plan" in result.stderr
     assert "Traceback" not in result.stderr
@@ -106,8 +145,16 @@ def test_chat_over_two_ranks_in_a_terminal(endless_folders, tmp_path):
 
     argv = chat_argv(endless_folders, 40) + ["--k", "4", "--tp", "2"]
     env = child_env(tmp_path)
-    child = pexpect.spawn(argv[0], argv[1:], cwd=str(REPO), env=env, encoding="utf-8", timeout=120,
-                          dimensions=(50, 200), preexec_fn=default_sigint)
+    child = pexpect.spawn(
+        argv[0],
+        argv[1:],
+        cwd=str(REPO),
+        env=env,
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(50, 200),
+        preexec_fn=default_sigint,
+    )
     log = Path(env["SPECGEN_CACHE"]) / "logs" / "rank-1.log"
     try:
         child.expect_exact(">>>")
@@ -150,8 +197,25 @@ def test_bench_over_two_ranks_writes_the_same_columns(tmp_path, folders):
     prompts.write_text("hello hello\nabc abc abc\n")
 
     def report(*extra: str) -> dict:
-        result = specgen(tmp_path, "bench", str(prompts), "--target", str(target), "--draft", str(draft),
-                         "--dtype", "float32", "-n", "12", "--k", "2", "-q", "--format", "json", *extra)
+        result = specgen(
+            tmp_path,
+            "bench",
+            str(prompts),
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "float32",
+            "-n",
+            "12",
+            "--k",
+            "2",
+            "-q",
+            "--format",
+            "json",
+            *extra,
+        )
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)
 
@@ -215,4 +279,5 @@ def test_rank0_says_nothing_when_a_peer_went_away_and_the_launcher_names_it(monk
     assert distributed._exit_code({0: SimpleNamespace(exitcode=2, timestamp=1)}) == 2  # rank 0's own, said by it
     assert distributed._exit_code({0: SimpleNamespace(exitcode=-6, timestamp=1)}) == 1
     assert capsys.readouterr().err == (  # rank 0 writes to the terminal: it has no log to name
-        "error: rank 0 of the tensor-parallel run was killed by signal 6; the other ranks were stopped\n")
+        "error: rank 0 of the tensor-parallel run was killed by signal 6; the other ranks were stopped\n"
+    )

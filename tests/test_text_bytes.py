@@ -45,7 +45,9 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     with GPT-2's byte-to-character map, as the ByteLevel pre-tokenizer and decoder expect."""
     spelled = {}
     extra = 0
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    )
     for b in range(256):
         if b in printable:
             spelled[b] = chr(b)
@@ -56,9 +58,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 def cycling_model(vocab_size: int, max_positions: int = 512):

@@ -46,7 +46,9 @@ def test_fp8_needs_fp8_units(gpu):
 @pytest.mark.parametrize("quant", ["int4", "fp8"])
 def test_torchao_quants_are_refused_off_cuda_on_gguf_and_without_torchao(gpu, monkeypatch, quant):
     gpu(9, 0)
-    with pytest.raises(ModelLoadError, match=f"--quant {quant} is torchao's {quant} weight-only quantization, which runs on CUDA only"):
+    with pytest.raises(
+        ModelLoadError, match=f"--quant {quant} is torchao's {quant} weight-only quantization, which runs on CUDA only"
+    ):
         choose_quant(quant, CPU)
     with pytest.raises(ModelLoadError, match="cannot apply to a GGUF file"):
         choose_quant(quant, CUDA0, gguf=True)
@@ -74,8 +76,9 @@ def test_the_cli_refuses_int4_on_the_cpu_in_one_line(tmp_path, monkeypatch, toke
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
     folder = save_model_folder(tiny_llama(len(tokenizer), seed=1), tokenizer, tmp_path / "model")
-    result = CliRunner().invoke(app, ["generate", "hi", "--device", "cpu", "--quant", "int4", "--draft", "none",
-                                      "--target", str(folder)])
+    result = CliRunner().invoke(
+        app, ["generate", "hi", "--device", "cpu", "--quant", "int4", "--draft", "none", "--target", str(folder)]
+    )
     assert result.exit_code == 2
     assert "--quant int4 is torchao's int4 weight-only quantization, which runs on CUDA only" in result.stderr
     assert "Traceback" not in result.stderr

@@ -154,7 +154,9 @@ class TestMultiCandidateRule:
     def test_the_sibling_draws_are_what_the_rule_expects(self):
         # Gumbel top-k is successive sampling without replacement: its first pick is a draw of Q.
         generator = torch.Generator().manual_seed(3)
-        picks = torch.tensor([_candidates(Q, SamplingConfig(temperature=1.0), generator, None)[0] for _ in range(DRAWS)])
+        picks = torch.tensor(
+            [_candidates(Q, SamplingConfig(temperature=1.0), generator, None)[0] for _ in range(DRAWS)]
+        )
         assert_follows(torch.bincount(picks, minlength=8), Q, "first sibling")
 
     def test_power_ignoring_that_siblings_were_drawn_without_replacement_is_caught(self):
@@ -167,7 +169,9 @@ class TestNodeCount:
     def test_stops_where_a_larger_pass_costs_more_than_its_expected_tokens(self):
         # A pass costs 1 s up to 4 tokens fed, then 2 s: three nodes (path probabilities
         # 0.9, 0.5, 0.3) fit in 4 tokens; a fourth at 0.2 would double the cost.
-        shape = TreeShape(max_depth=4, max_nodes=8, costs=CostCurve({1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2, 7: 2, 8: 2, 9: 2}, None))
+        shape = TreeShape(
+            max_depth=4, max_nodes=8, costs=CostCurve({1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2, 7: 2, 8: 2, 9: 2}, None)
+        )
         assert best_node_count([0.9, 0.5, 0.3, 0.2, 0.1], shape, draft_spent=0.1) == 3
 
     def test_flat_costs_take_every_candidate_up_to_the_budget(self):

@@ -82,7 +82,11 @@ class CostCurve:
         if above:
             return self.verify_seconds[above[0]] * fed / above[0]
         largest, middle = sizes[-1], sizes[len(sizes) // 2]
-        slope = 0.0 if middle == largest else (self.verify_seconds[largest] - self.verify_seconds[middle]) / (largest - middle)
+        slope = (
+            0.0
+            if middle == largest
+            else (self.verify_seconds[largest] - self.verify_seconds[middle]) / (largest - middle)
+        )
         return self.verify_seconds[largest] + max(0.0, slope) * (fed - largest)
 
     def optimistic(self, fed: int) -> float | None:

@@ -1,12 +1,12 @@
 """k auto for lookahead decoding (speccli.drafters.lookahead): its shape, and the steps its
 window and pool ride in.
 
-W, N and G (n-grams verified) are chosen from the measured pass costs: the shape whose
-steps promise the most tokens per second beside prompt lookup's guess. Where none beats a
-one-token pass the steps are prompt lookup's with its own k auto (`--draft ngram`): chains where the text repeats itself, plain
-steps where it does not. With k auto the steps start as those too, and `LookaheadGate` adds
-the window to a step where what it brought riding every step pays for its tokens, and the
-pool's n-grams where what they have been adding pays for theirs.
+W, N and G (n-grams verified) are chosen from the measured pass costs: the shape whose steps
+promise the most tokens per second beside prompt lookup's guess. Where none beats a one-token
+pass the steps are prompt lookup's with its own k auto (`--draft ngram`): chains where the text
+repeats itself, plain steps where it does not. With k auto the steps start as those too, and
+`LookaheadGate` adds the window to a step where what it brought riding every step pays for its
+tokens, and the pool's n-grams where what they have been adding pays for theirs.
 """
 
 from __future__ import annotations
@@ -151,8 +151,10 @@ class LookaheadGate(DraftLengthPolicy):
         window_value: float | None = None,
     ) -> None:
         if (
-            prior_gain is not None and prior_gain < 0
-            or window_value is not None and window_value < 0
+            prior_gain is not None
+            and prior_gain < 0
+            or window_value is not None
+            and window_value < 0
             or prior_steps <= 0
             or probe_every < 1
         ):

@@ -438,9 +438,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         w = self.prior_weight
         kept, tried = self._session_kept, self._session_tried
         pooled = (sum(kept) + self.prior[0] * (old + w)) / (sum(tried) + old + w)
-        learned = [
-            (kept[i] + self.prior[i] * old + pooled * w) / (tried[i] + old + w) for i in range(self.max_k)
-        ]
+        learned = [(kept[i] + self.prior[i] * old + pooled * w) / (tried[i] + old + w) for i in range(self.max_k)]
         return learned, old + tried[0]
 
 

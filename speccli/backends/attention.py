@@ -56,7 +56,9 @@ def windowed_sdpa(
     packed = attention_mask is not None and attention_mask.dim() == 4 and rep > 1 and attention_mask.shape[2] == rep * n
     narrower = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] < key.shape[2]
     if not (packed or narrower):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     width = attention_mask.shape[-1]
     key, value = key[:, :, :width], value[:, :, :width]
     if rep > 1:

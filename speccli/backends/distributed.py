@@ -70,8 +70,14 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
 
     previous = signal.signal(signal.SIGINT, to_rank0)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"specgen-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"localhost:{_free_port()}", max_restarts=0, monitor_interval=1,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"specgen-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"localhost:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=1,
         signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
     )
     try:
@@ -186,10 +192,10 @@ def share(value: Any) -> Any:
 
 class LeaderLM:
     """Rank 0's target: every operation on the cache (a pass, a tree pass, a rollback, a
-    keep) and every gathering of a split weight is sent to the other ranks before it runs here, so that their shards run the same
-    pass at the same time (`follow`). Everything else is the wrapped model's. A Ctrl-C during
-    an operation is held until it is done on this rank: leaving a pass half-way would leave
-    the other ranks waiting in its collectives."""
+    keep) and every gathering of a split weight is sent to the other ranks before it runs
+    here, so that their shards run the same pass at the same time (`follow`). Everything else
+    is the wrapped model's. A Ctrl-C during an operation is held until it is done on this
+    rank: leaving a pass half-way would leave the other ranks waiting in its collectives."""
 
     # Besides the cache's operations, those that gather what a drafter needs whole.
     # A chain's passes would run on this rank alone: drafts are driven from the host here.

@@ -191,7 +191,9 @@ class LlamaCppLM:
         n_batch: int = DEFAULT_BATCH,
     ) -> None:
         if n_batch < MAX_SEQUENCES:
-            raise ValueError(f"n_batch must be at least {MAX_SEQUENCES} (llama.cpp reserves an output row per sequence)")
+            raise ValueError(
+                f"n_batch must be at least {MAX_SEQUENCES} (llama.cpp reserves an output row per sequence)"
+            )
         lc = _backend()
         self._lc = lc
         self.weights = weights
@@ -208,7 +210,9 @@ class LlamaCppLM:
         params.flash_attn_type = FLASH_ATTENTION
         self._ctx = lc.llama_init_from_model(weights.pointer, params)
         if not self._ctx:
-            raise LlamaCppError(f"llama.cpp could not make a context for {weights.path}: {_LOG.tail() or 'no reason given'}")
+            raise LlamaCppError(
+                f"llama.cpp could not make a context for {weights.path}: {_LOG.tail() or 'no reason given'}"
+            )
         self._memory = lc.llama_get_memory(self._ctx)
         self._n_ctx = int(lc.llama_n_ctx(self._ctx))
         self._n_batch = n_batch
@@ -293,7 +297,9 @@ class LlamaCppLM:
         plan = _plan_tree(visible.cpu().bool(), self._entries, list(positions), window_start)
         first = self._next_sequence
         if first + plan.leaves > MAX_SEQUENCES:
-            raise ValueError(f"a tree window holds at most {MAX_SEQUENCES - 1} leaves; this pass needs {first - 1 + plan.leaves}")
+            raise ValueError(
+                f"a tree window holds at most {MAX_SEQUENCES - 1} leaves; this pass needs {first - 1 + plan.leaves}"
+            )
         self._next_sequence += plan.leaves
         self._window_start = window_start
         lc = self._lc
@@ -340,7 +346,9 @@ class LlamaCppLM:
         self._close_window()
         self._tokens.extend(tokens)
 
-    def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: Collection[int]) -> list[list[int]]:
+    def greedy_batch(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: Collection[int]
+    ) -> list[list[int]]:
         """Greedy continuations of several prompts at once (at most MAX_SEQUENCES), each
         its own sequence in the cache, one token of every unfinished one per pass: on a CPU
         a pass over 16 tokens costs a fraction of 16 one-token passes. A continuation ends
@@ -358,13 +366,21 @@ class LlamaCppLM:
         self._reset()
         outputs: list[list[int]] = [[] for _ in prompts]
         try:
-            entries = [(token, position, s) for s, prompt in enumerate(prompts) for position, token in enumerate(prompt)]
+            entries = [
+                (token, position, s) for s, prompt in enumerate(prompts) for position, token in enumerate(prompt)
+            ]
             last = {(s, len(prompt) - 1) for s, prompt in enumerate(prompts)}
             rows: list[torch.Tensor] = []
             for chunk in range(0, len(entries), self._n_batch):
                 part = entries[chunk : chunk + self._n_batch]
-                rows.append(self._decode([t for t, _, _ in part], [p for _, p, _ in part], [(s,) for _, _, s in part],
-                                         [(s, p) in last for _, p, s in part]))
+                rows.append(
+                    self._decode(
+                        [t for t, _, _ in part],
+                        [p for _, p, _ in part],
+                        [(s,) for _, _, s in part],
+                        [(s, p) in last for _, p, s in part],
+                    )
+                )
             logits = torch.cat(rows)  # one row per prompt, in order
             live = list(range(len(prompts)))
             while live and max_new_tokens > 0:
@@ -379,7 +395,9 @@ class LlamaCppLM:
                 live = still
                 if live:
                     positions = [len(prompts[s]) + len(outputs[s]) - 1 for s in live]
-                    logits = self._decode([outputs[s][-1] for s in live], positions, [(s,) for s in live], [True] * len(live))
+                    logits = self._decode(
+                        [outputs[s][-1] for s in live], positions, [(s,) for s in live], [True] * len(live)
+                    )
         finally:
             self._reset()
             self.forward_seconds += time.perf_counter() - started
@@ -496,14 +514,20 @@ def _plan_tree(
         seen.append(above | {count + i})
         if not above:
             if position != window_start:
-                raise ValueError(f"tree node {i} has no parent in the window, so it must sit at {window_start}, not {position}")
+                raise ValueError(
+                    f"tree node {i} has no parent in the window, so it must sit at {window_start}, not {position}"
+                )
             parent_of.append(None)
             continue
         parent = max(above, key=lambda j: all_positions[j])
         if all_positions[parent] != position - 1:
-            raise ValueError(f"tree node {i} at {position} must follow its parent (at {all_positions[parent]}) directly")
+            raise ValueError(
+                f"tree node {i} at {position} must follow its parent (at {all_positions[parent]}) directly"
+            )
         if above != (old[parent].seen if parent < count else seen[parent - count]):
-            raise ValueError(f"tree node {i} must see exactly its parent and what its parent sees: llama.cpp masks by paths")
+            raise ValueError(
+                f"tree node {i} must see exactly its parent and what its parent sees: llama.cpp masks by paths"
+            )
         parent_of.append(parent)
     parents = {j for j in parent_of if j is not None}
     leaves = [i for i in range(len(positions)) if count + i not in parents]

@@ -21,8 +21,6 @@ class BenchInputError(UsageError):
     """A prompt file or bench option a user got wrong: a message and a hint."""
 
 
-
-
 @dataclass(frozen=True)
 class BenchPrompt:
     """One benchmark prompt: raw text, or chat messages sent through the chat template."""
@@ -112,8 +110,9 @@ def load_prompts(path: Path) -> list[BenchPrompt]:
     for (number, _), prompt in zip(lines, prompts):
         if prompt.name in first_line:
             raise BenchInputError(
-                f"{path}: line {number}: duplicate prompt name {prompt.name!r} (first on line {first_line[prompt.name]})",
-                "give each prompt its own \"name\"",
+                f"{path}: line {number}: duplicate prompt name {prompt.name!r}"
+                f" (first on line {first_line[prompt.name]})",
+                'give each prompt its own "name"',
             )
         first_line[prompt.name] = number
     return prompts
@@ -124,9 +123,7 @@ def _parse_jsonl_line(path: Path, number: int, line: str) -> BenchPrompt:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as error:
-        raise BenchInputError(
-            f"{where} is not valid JSON: {error.msg} (column {error.colno})", JSONL_HINT
-        ) from None
+        raise BenchInputError(f"{where} is not valid JSON: {error.msg} (column {error.colno})", JSONL_HINT) from None
     if not isinstance(item, dict):
         raise BenchInputError(f"{where} must be a JSON object, not {_json_type(item)}", JSONL_HINT)
     has_prompt, has_messages = "prompt" in item, "messages" in item
@@ -195,9 +192,7 @@ def parse_k_list(value: str) -> list[int | str]:
     return ks
 
 
-def encode_bench_prompt(
-    tokenizer, prompt: BenchPrompt, chat: bool = False, system: str | None = None
-) -> list[int]:
+def encode_bench_prompt(tokenizer, prompt: BenchPrompt, chat: bool = False, system: str | None = None) -> list[int]:
     """Token ids for a prompt. Messages always go through the chat template; text does
     when `chat` is set (as one user turn, after `system` if given)."""
     try:
@@ -205,5 +200,5 @@ def encode_bench_prompt(
     except NoChatTemplateError:
         raise BenchInputError(
             f"prompt {prompt.name!r} needs a chat template and this model has none",
-            "use a model with a chat template, or prompts given as plain \"prompt\" text",
+            'use a model with a chat template, or prompts given as plain "prompt" text',
         ) from None

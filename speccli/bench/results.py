@@ -232,7 +232,9 @@ class BenchSummary:
     spec: GenerationStats
 
     @classmethod
-    def of(cls, rows: Sequence[BenchRow], prompt: str | None, category: str | None, k: int | str | None) -> BenchSummary:
+    def of(
+        cls, rows: Sequence[BenchRow], prompt: str | None, category: str | None, k: int | str | None
+    ) -> BenchSummary:
         done = [r for r in rows if r.completed]
         speedups = [r.speedup for r in done if r.speedup is not None]
         return cls(
@@ -385,5 +387,3 @@ class BenchResults:
             "by_prompt": [s.as_dict() for s in self.by_prompt],
             "rows": [r.as_dict(tokens) for r in self.rows],
         }
-
-

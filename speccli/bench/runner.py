@@ -119,7 +119,8 @@ class BenchRunner:
             return self.generator.encode(ids)
         except ContextOverflowError as error:
             raise BenchInputError(
-                f"prompt {prompt.name!r} is {error.prompt_tokens} tokens long and the model's context holds {error.context}",
+                f"prompt {prompt.name!r} is {error.prompt_tokens} tokens long and the model's context holds"
+                f" {error.context}",
                 "shorten it or leave it out",
             ) from None
 
@@ -133,12 +134,7 @@ class BenchRunner:
             self.progress(BenchProgress("warmup", 0, 0, prompts[0].name, s.ks[0], 0))
             self._warm_up(encoded[0])
 
-        plan = [
-            (prompt, ids, k, r)
-            for prompt, ids in zip(prompts, encoded)
-            for r in range(s.repeat)
-            for k in s.ks
-        ]
+        plan = [(prompt, ids, k, r) for prompt, ids in zip(prompts, encoded) for r in range(s.repeat) for k in s.ks]
         self.rows = []
         for index, (prompt, ids, k, repeat) in enumerate(plan):
             self.progress(BenchProgress("start", index, len(plan), prompt.name, k, repeat))
@@ -160,7 +156,8 @@ class BenchRunner:
             try:
                 result = self._run_one(method == "plain", prompt_ids, sampling, spec_config)
             except Exception as error:  # noqa: BLE001 - one failed prompt must not end the bench
-                row.error = f"{'plain' if method == 'plain' else 'speculative'} decoding failed: {type(error).__name__}: {error}"
+                kind = "plain" if method == "plain" else "speculative"
+                row.error = f"{kind} decoding failed: {type(error).__name__}: {error}"
                 return row
             setattr(row, method, result)
         if sampling.greedy:
@@ -192,9 +189,7 @@ class BenchRunner:
         def ended_by(run: RunResult) -> list[int]:
             return eos if len(run.token_ids) == position and run.stats.finish_reason == "eos" else []
 
-        return classify(
-            position, plain.token_ids, spec.token_ids, logits, self.dtype, ended_by(plain), ended_by(spec)
-        )
+        return classify(position, plain.token_ids, spec.token_ids, logits, self.dtype, ended_by(plain), ended_by(spec))
 
     def _run_one(self, plain: bool, prompt_ids: Sequence[int], sampling: SamplingConfig, spec: SpecConfig) -> RunResult:
         if not plain:

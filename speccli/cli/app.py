@@ -54,7 +54,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     pass
 
@@ -92,9 +94,16 @@ class ModelOptions:
     def configs(self) -> tuple[LoadConfig, LoadConfig]:
         try:
             target = LoadConfig(
-                self.device, self.dtype, self.quant, self.trust_remote_code, cpu_linear=self.cpu_linear,
-                cuda_graphs=self.cuda_graphs, backend=self.backend, keep_converted=not self.no_cache,
-                compile=self.compile, tp=self.tp,
+                self.device,
+                self.dtype,
+                self.quant,
+                self.trust_remote_code,
+                cpu_linear=self.cpu_linear,
+                cuda_graphs=self.cuda_graphs,
+                backend=self.backend,
+                keep_converted=not self.no_cache,
+                compile=self.compile,
+                tp=self.tp,
             )
             draft = LoadConfig(
                 self.draft_device or self.device,
@@ -154,30 +163,152 @@ def run_guarded(body: Callable[[], int]) -> None:
 
 
 TARGET_HELP = "Target model: an alias (see `specgen models`), a Hugging Face hub id, a local folder, or a .gguf file."
-DRAFT_HELP = "auto: on CUDA the target's registered published head (EAGLE-3 first), else the smallest registered model sharing the target's tokenizer (its family first; the default target gets the offline draft), else prompt lookup, said on stderr (`specgen models --drafts-for TARGET` lists the choices). Or a draft model (same forms as --target), `ngram` for prompt lookup or `lookahead` for lookahead decoding (no draft model: guesses from the text and from the target itself), `eagle3:HUB_ID|FOLDER` for a published EAGLE-3 head (`eagle3` alone: the one registered for the target), `eagle:HUB_ID|FOLDER` or `medusa:HUB_ID|FOLDER` for published EAGLE-1/2 or Medusa heads, `medusa[:FILE]` or `eagle[:FILE]` for heads trained here (`specgen train`; found in the cache without FILE), or `none` for plain target decoding."
+DRAFT_HELP = (
+    "auto: on CUDA the target's registered published head (EAGLE-3 first), else the smallest registered model "
+    "sharing the target's tokenizer (its family first; the default target gets the offline draft), else prompt "
+    "lookup, said on stderr (`specgen models --drafts-for TARGET` lists the choices). Or a draft model (same forms "
+    "as --target), `ngram` for prompt lookup or `lookahead` for lookahead decoding (no draft model: guesses from "
+    "the text and from the target itself), `eagle3:HUB_ID|FOLDER` for a published EAGLE-3 head (`eagle3` alone: the "
+    "one registered for the target), `eagle:HUB_ID|FOLDER` or `medusa:HUB_ID|FOLDER` for published EAGLE-1/2 or "
+    "Medusa heads, `medusa[:FILE]` or `eagle[:FILE]` for heads trained here (`specgen train`; found in the cache "
+    "without FILE), or `none` for plain target decoding."
+)
 
 
 # Options shared by generate, chat and bench: declared once.
-TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b")]
+TargetOpt = Annotated[
+    Optional[str], typer.Option("--target", "-t", help=TARGET_HELP, show_default="qwen2.5-coder-1.5b")
+]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help=DRAFT_HELP, show_default="auto")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0: off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Sample among the smallest set of tokens with this much mass.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu, cuda, cuda:N.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16, float16.")]
-QuantOpt = Annotated[str, typer.Option("--quant", help="auto (bitsandbytes NF4 on CUDA; on the CPU none for the target, int8 for the draft), 4bit or nf4, 8bit (bitsandbytes), int4 (torchao weight-only, groups of 128, CUDA, bfloat16), fp8 (torchao weight-only, CUDA with FP8 units), int8 (PyTorch dynamic, CPU only), none. int4 and fp8 need the cuda extra: pip install \"specgen\\[cuda]\".")]
-DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="Device for the draft (default: --device).")]
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        help="auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16, float16.",
+    ),
+]
+QuantOpt = Annotated[
+    str,
+    typer.Option(
+        "--quant",
+        help=(
+            "auto (bitsandbytes NF4 on CUDA; on the CPU none for the target, int8 for the draft), 4bit or nf4, 8bit "
+            "(bitsandbytes), int4 (torchao weight-only, groups of 128, CUDA, bfloat16), fp8 (torchao weight-only, "
+            "CUDA with FP8 units), int8 (PyTorch dynamic, CPU only), none. int4 and fp8 need the cuda extra: pip "
+            'install "specgen\\[cuda]".'
+        ),
+    ),
+]
+DraftDeviceOpt = Annotated[
+    Optional[str], typer.Option("--draft-device", help="Device for the draft (default: --device).")
+]
 DraftDtypeOpt = Annotated[Optional[str], typer.Option("--draft-dtype", help="dtype for the draft (default: --dtype).")]
-DraftQuantOpt = Annotated[Optional[str], typer.Option("--draft-quant", help="Quantization for the draft (default: --quant). int8 halves a CPU draft token's cost; the output stays the target's own.")]
-CpuLinearOpt = Annotated[str, typer.Option("--cpu-linear", help="auto: float32 linear layers on the CPU run through oneDNN (same float32 math, passes 1.5-2.5x faster than PyTorch's default there), and in bfloat16 a one-token pass multiplies its row as two rows where that is measured faster (PyTorch's one-row bf16 kernel is the slower on some CPUs); stock: PyTorch's default kernels.")]
-CudaGraphsOpt = Annotated[str, typer.Option("--cuda-graphs", help="auto: on CUDA, bfloat16/float16 and 4/8-bit models decode over a static KV cache replayed as CUDA graphs (2-5x faster passes); off: transformers' DynamicCache, as on the CPU.")]
-BackendOpt = Annotated[str, typer.Option("--backend", help="auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install \"specgen\\[llamacpp]\"; several times faster there), everything else through transformers; transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization).")]
-TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Split the target over N processes by tensor parallelism (one per GPU; gloo processes on the CPU), launched here through PyTorch's launcher, or join a torchrun launch. Unquantized safetensors targets (--quant none); the draft runs in the first process, which owns the terminal. See README, \"Several GPUs\".")]
-CompileOpt = Annotated[str, typer.Option("--compile", help="on: run the passes through torch.compile over the static KV cache (inductor fuses the many small kernels of a pass; on CUDA inside the CUDA graphs; on the CPU the model moves to the static cache too). The first start compiles (seconds for a tiny model, minutes for a large one), later starts mostly read it back from specgen's cache. auto: off until measured faster on a GPU (scripts/gpu_check.py); off.")]
-NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Neither read nor keep converted weights in specgen's cache (also SPECGEN_NO_CACHE=1): a GGUF is dequantized again on every start. See `specgen models --converted`.")]
+DraftQuantOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--draft-quant",
+        help=(
+            "Quantization for the draft (default: --quant). int8 halves a CPU draft token's cost; the output stays "
+            "the target's own."
+        ),
+    ),
+]
+CpuLinearOpt = Annotated[
+    str,
+    typer.Option(
+        "--cpu-linear",
+        help=(
+            "auto: float32 linear layers on the CPU run through oneDNN (same float32 math, passes 1.5-2.5x faster "
+            "than PyTorch's default there), and in bfloat16 a one-token pass multiplies its row as two rows where "
+            "that is measured faster (PyTorch's one-row bf16 kernel is the slower on some CPUs); stock: PyTorch's "
+            "default kernels."
+        ),
+    ),
+]
+CudaGraphsOpt = Annotated[
+    str,
+    typer.Option(
+        "--cuda-graphs",
+        help=(
+            "auto: on CUDA, bfloat16/float16 and 4/8-bit models decode over a static KV cache replayed as CUDA "
+            "graphs (2-5x faster passes); off: transformers' DynamicCache, as on the CPU."
+        ),
+    ),
+]
+BackendOpt = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        help=(
+            "auto: GGUF files on the CPU run through llama.cpp when llama-cpp-python is installed (pip install "
+            '"specgen\\[llamacpp]"; several times faster there), everything else through transformers; '
+            "transformers; llama.cpp (GGUF files on the CPU, at the file's own quantization)."
+        ),
+    ),
+]
+TpOpt = Annotated[
+    int,
+    typer.Option(
+        "--tp",
+        min=1,
+        help=(
+            "Split the target over N processes by tensor parallelism (one per GPU; gloo processes on the CPU), "
+            "launched here through PyTorch's launcher, or join a torchrun launch. Unquantized safetensors targets "
+            '(--quant none); the draft runs in the first process, which owns the terminal. See README, "Several '
+            'GPUs".'
+        ),
+    ),
+]
+CompileOpt = Annotated[
+    str,
+    typer.Option(
+        "--compile",
+        help=(
+            "on: run the passes through torch.compile over the static KV cache (inductor fuses the many small "
+            "kernels of a pass; on CUDA inside the CUDA graphs; on the CPU the model moves to the static cache "
+            "too). The first start compiles (seconds for a tiny model, minutes for a large one), later starts "
+            "mostly read it back from specgen's cache. auto: off until measured faster on a GPU "
+            "(scripts/gpu_check.py); off."
+        ),
+    ),
+]
+NoCacheOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-cache",
+        help=(
+            "Neither read nor keep converted weights in specgen's cache (also SPECGEN_NO_CACHE=1): a GGUF is "
+            "dequantized again on every start. See `specgen models --converted`."
+        ),
+    ),
+]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
-TreeOpt = Annotated[bool, typer.Option("--tree", help="Draft a tree of candidates k deep instead of one chain: the draft model branches where it is unsure (ngram: several earlier continuations) and one target pass checks every branch; its size follows the measured pass costs. Pays where a pass over many tokens costs little more than one (bfloat16 on CPUs with bf16 units, GPUs).")]
-RecalibrateOpt = Annotated[bool, typer.Option("--recalibrate", help="Measure the full table of pass costs for --k auto now (a minute or two on a CPU) instead of using the cached one, or the quick probe a first run starts from.")]
+TreeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--tree",
+        help=(
+            "Draft a tree of candidates k deep instead of one chain: the draft model branches where it is unsure "
+            "(ngram: several earlier continuations) and one target pass checks every branch; its size follows the "
+            "measured pass costs. Pays where a pass over many tokens costs little more than one (bfloat16 on CPUs "
+            "with bf16 units, GPUs)."
+        ),
+    ),
+]
+RecalibrateOpt = Annotated[
+    bool,
+    typer.Option(
+        "--recalibrate",
+        help=(
+            "Measure the full table of pass costs for --k auto now (a minute or two on a CPU) instead of using the "
+            "cached one, or the quick probe a first run starts from."
+        ),
+    ),
+]
 
 # How the target and the draft are loaded: every generating command takes these, declared
 # here once (`with_load_options`), and gets them as one `load` dict of ModelOptions' fields.
@@ -231,7 +362,9 @@ def check_model_names(target: Optional[str], draft: Optional[str]) -> int:
     """An empty --target or --draft (a forgotten `$MODEL`) is refused, not taken for the default."""
     for option, value in (("--target", target), ("--draft", draft)):
         if value is not None and not value.strip():
-            raise UsageError(f"{option} is empty", f"give a model (see `specgen models`), or leave {option} out for the default")
+            raise UsageError(
+                f"{option} is empty", f"give a model (see `specgen models`), or leave {option} out for the default"
+            )
     return 0
 
 
@@ -245,8 +378,12 @@ def _tensor_parallel(command: Callable[..., None], kwargs: dict, load: dict) -> 
         run_guarded(lambda: _check_tensor_parallel(kwargs, load) or distributed.launch(load["tp"], sys.argv[1:]))
     rank = distributed.current()
     if load["tp"] not in (1, rank.size):
-        run_guarded(lambda: _refuse(f"--tp {load['tp']} asks for {load['tp']} ranks, and this run has {rank.size}",
-                                     "give torchrun --nproc-per-node the same number, or drop --tp"))
+        run_guarded(
+            lambda: _refuse(
+                f"--tp {load['tp']} asks for {load['tp']} ranks, and this run has {rank.size}",
+                "give torchrun --nproc-per-node the same number, or drop --tp",
+            )
+        )
     load["tp"] = rank.size
     distributed.announce_rank0()
     distributed.quiet_other_ranks()
@@ -290,8 +427,12 @@ def _follow(kwargs: dict, load: dict) -> int:
     from speccli.pipeline import causal_lm
 
     rank = distributed.current()
-    print(f"specgen: rank {rank.index} of {rank.size} (pid {os.getpid()}): loading its shard of the target,"
-          " then running rank 0's passes", file=sys.stderr, flush=True)
+    print(
+        f"specgen: rank {rank.index} of {rank.size} (pid {os.getpid()}): loading its shard of the target,"
+        " then running rank 0's passes",
+        file=sys.stderr,
+        flush=True,
+    )
     options = _target_alone(kwargs, load)
     target_config, _ = options.configs()
     loaded = load_model(options.target, target_config)
@@ -363,5 +504,3 @@ def main() -> None:
         # The command is done (its exit code is set): a Ctrl-C now must not turn the
         # interpreter's shutdown into a traceback from some library's finalizer.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-

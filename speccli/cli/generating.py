@@ -37,23 +37,59 @@ def generate(
     prompt: Optional[str] = typer.Argument(None, help="The prompt. Piped stdin, if any, comes first."),
     target: TargetOpt = None,
     draft: DraftOpt = None,
-    k: str = typer.Option("auto", "--k", "-k", help="Tokens drafted per step (>= 1), or auto: each step picks the k that maximises expected tokens/s from the acceptance and costs measured so far."),
+    k: str = typer.Option(
+        "auto",
+        "--k",
+        "-k",
+        help=(
+            "Tokens drafted per step (>= 1), or auto: each step picks the k that maximises expected tokens/s from "
+            "the acceptance and costs measured so far."
+        ),
+    ),
     tree: TreeOpt = False,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy: exactly the target's own greedy output."),
+    temperature: float = typer.Option(
+        0.0, "--temperature", help="0 is greedy: exactly the target's own greedy output."
+    ),
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling: the text --draft none prints with this seed, whatever the draft or --k (the draws are tied to output positions, not to steps). Exact in float32; bfloat16 rounding can split runs at near-ties."),
+    seed: Optional[int] = typer.Option(
+        None,
+        "--seed",
+        help=(
+            "Seed for sampling: the text --draft none prints with this seed, whatever the draft or --k (the draws "
+            "are tied to output positions, not to steps). Exact in float32; bfloat16 rounding can split runs at "
+            "near-ties."
+        ),
+    ),
     stop: list[str] = typer.Option([], "--stop", help="Stop when this text appears (repeatable); it is not printed."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (with --chat)."),
     load: Optional[dict] = None,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, provenance, statistics) instead of the text."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object (text, token ids, provenance, statistics) instead of the text."
+    ),
     stats: bool = typer.Option(False, "--stats", help="Print statistics to stderr when done."),
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
-    server: Optional[str] = typer.Option(None, "--server", envvar="SPECGEN_SERVER", show_envvar=True, help="Send the request to a running `specgen serve` at this address (http://HOST:PORT) instead of loading the models here: the same output, without the load. The server's models answer (--target, if given, must be the name it serves)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECGEN_API_KEY", show_envvar=True, help="The key the server asks for (with --server)."),
+    server: Optional[str] = typer.Option(
+        None,
+        "--server",
+        envvar="SPECGEN_SERVER",
+        show_envvar=True,
+        help=(
+            "Send the request to a running `specgen serve` at this address (http://HOST:PORT) instead of loading "
+            "the models here: the same output, without the load. The server's models answer (--target, if given, "
+            "must be the name it serves)."
+        ),
+    ),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        envvar="SPECGEN_API_KEY",
+        show_envvar=True,
+        help="The key the server asks for (with --server).",
+    ),
 ) -> None:
     """Generate a continuation of PROMPT and write only the text to stdout.
 
@@ -61,11 +97,30 @@ def generate(
     (`| head`).
     """
     if server is not None:
-        run_guarded(lambda: _generate_remote(
-            server, api_key, target, draft, load, recalibrate, quiet, prompt=prompt, k=k, tree=tree,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-            chat=chat, system=system, as_json=as_json, stats=stats,
-        ))
+        run_guarded(
+            lambda: _generate_remote(
+                server,
+                api_key,
+                target,
+                draft,
+                load,
+                recalibrate,
+                quiet,
+                prompt=prompt,
+                k=k,
+                tree=tree,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                stop=stop,
+                chat=chat,
+                system=system,
+                as_json=as_json,
+                stats=stats,
+            )
+        )
         return
     options = ModelOptions(target or default_target(), draft or default_draft(), **load)
 
@@ -102,27 +157,57 @@ def _needs_serve_extra(what: str, *modules: str) -> None:
 
     missing = [name for name in modules if importlib.util.find_spec(name) is None]
     if missing:
-        raise UsageError(f"{what} needs the serve extra ({', '.join(missing)} not installed)",
-                         'pip install "specgen[serve]"')
+        raise UsageError(
+            f"{what} needs the serve extra ({', '.join(missing)} not installed)", 'pip install "specgen[serve]"'
+        )
 
 
-def _generation_settings(k: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: Optional[int],
-                         stop: list[str], tree: bool) -> tuple[SamplingConfig, SpecConfig]:
+def _generation_settings(
+    k: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: Optional[int],
+    stop: list[str],
+    tree: bool,
+) -> tuple[SamplingConfig, SpecConfig]:
     try:
         draft_length = parse_draft_length(k)
     except ValueError as error:
         raise UsageError(f"--{error}", "use --draft none for plain target decoding") from None
     try:
-        return (SamplingConfig(temperature, top_k, top_p, seed),
-                SpecConfig(k=draft_length, max_new_tokens=max_new_tokens, stop_strings=tuple(stop), tree=tree))
+        return (
+            SamplingConfig(temperature, top_k, top_p, seed),
+            SpecConfig(k=draft_length, max_new_tokens=max_new_tokens, stop_strings=tuple(stop), tree=tree),
+        )
     except ValueError as error:
         raise UsageError(str(error)) from None
 
 
-def _generate_remote(server: str, api_key: Optional[str], target: Optional[str], draft: Optional[str], load: dict,
-                     recalibrate: bool, quiet: bool, *, prompt: Optional[str], k: str, tree: bool, max_new_tokens: int,
-                     temperature: float, top_k: int, top_p: float, seed: Optional[int], stop: list[str], chat: bool,
-                     system: Optional[str], as_json: bool, stats: bool) -> int:
+def _generate_remote(
+    server: str,
+    api_key: Optional[str],
+    target: Optional[str],
+    draft: Optional[str],
+    load: dict,
+    recalibrate: bool,
+    quiet: bool,
+    *,
+    prompt: Optional[str],
+    k: str,
+    tree: bool,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: Optional[int],
+    stop: list[str],
+    chat: bool,
+    system: Optional[str],
+    as_json: bool,
+    stats: bool,
+) -> int:
     """`generate --server`: the request to a running `specgen serve`, printed as a local one is."""
     _needs_serve_extra("generate --server", "httpx", "httpx_sse")
     from speccli.serve.client import RemoteRequest, ServerClient
@@ -134,8 +219,10 @@ def _generate_remote(server: str, api_key: Optional[str], target: Optional[str],
     if recalibrate:
         loaded_here.append("--recalibrate")
     if loaded_here:
-        raise UsageError(f"{', '.join(loaded_here)} cannot apply with --server: the server loaded its models",
-                         "set them on `specgen serve`, or drop --server to load the models here")
+        raise UsageError(
+            f"{', '.join(loaded_here)} cannot apply with --server: the server loaded its models",
+            "set them on `specgen serve`, or drop --server to load the models here",
+        )
     sampling, spec = _generation_settings(k, max_new_tokens, temperature, top_k, top_p, seed, stop, tree)
     text = read_prompt(prompt)
 
@@ -160,14 +247,27 @@ def chat(
     draft: DraftOpt = None,
     k: str = typer.Option("auto", "--k", "-k", help="Tokens drafted per step (>= 1) or auto; /set k changes it."),
     tree: TreeOpt = False,
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="Longest answer, in tokens; /set max_tokens changes it."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy: exactly the target's own answers; /set temperature changes it."),
+    max_new_tokens: int = typer.Option(
+        512, "--max-new-tokens", "-n", help="Longest answer, in tokens; /set max_tokens changes it."
+    ),
+    temperature: float = typer.Option(
+        0.0, "--temperature", help="0 is greedy: exactly the target's own answers; /set temperature changes it."
+    ),
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling: answer n (/regen included) uses seed + n, so a session replays exactly, whatever the draft or --k."),
+    seed: Optional[int] = typer.Option(
+        None,
+        "--seed",
+        help=(
+            "Seed for sampling: answer n (/regen included) uses seed + n, so a session replays exactly, whatever "
+            "the draft or --k."
+        ),
+    ),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (/system changes it; /clear keeps it)."),
     load: Optional[dict] = None,
-    no_color: bool = typer.Option(False, "--no-color", help="No colours (also off when NO_COLOR is set or stdout is not a terminal)."),
+    no_color: bool = typer.Option(
+        False, "--no-color", help="No colours (also off when NO_COLOR is set or stdout is not a terminal)."
+    ),
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -185,8 +285,17 @@ def chat(
             raise UsageError(f"--{error}") from None
         return run_chat(
             lambda: load_pipeline(options.target, options.draft, target_config, draft_config, progress),
-            k=draft_length, tree=tree, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, system=system, color=False if no_color else None, progress=progress, recalibrate=recalibrate,
+            k=draft_length,
+            tree=tree,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            system=system,
+            color=False if no_color else None,
+            progress=progress,
+            recalibrate=recalibrate,
         )
 
     run_guarded(body)
@@ -195,22 +304,52 @@ def chat(
 @app.command()
 @with_load_options
 def bench(
-    prompts: str = typer.Argument(..., help="A .txt file (one prompt per line) or .jsonl ({\"prompt\": ...} or {\"messages\": [...]})."),
+    prompts: str = typer.Argument(
+        ..., help='A .txt file (one prompt per line) or .jsonl ({"prompt": ...} or {"messages": [...]}).'
+    ),
     target: TargetOpt = None,
-    draft: str = typer.Option(None, "--draft", "-d", help=DRAFT_HELP.replace(", or `none` for plain target decoding", ""), show_default="qwen2.5-coder-0.5b"),
-    k: str = typer.Option("auto", "--k", "-k", help="Draft length, or a comma-separated sweep such as 1,2,4,8,auto (auto: the adaptive policy)."),
+    draft: str = typer.Option(
+        None,
+        "--draft",
+        "-d",
+        help=DRAFT_HELP.replace(", or `none` for plain target decoding", ""),
+        show_default="qwen2.5-coder-0.5b",
+    ),
+    k: str = typer.Option(
+        "auto",
+        "--k",
+        "-k",
+        help="Draft length, or a comma-separated sweep such as 1,2,4,8,auto (auto: the adaptive policy).",
+    ),
     tree: TreeOpt = False,
-    repeat: int = typer.Option(1, "--repeat", "-r", help="Run every prompt this many times; mean and spread are reported."),
+    repeat: int = typer.Option(
+        1, "--repeat", "-r", help="Run every prompt this many times; mean and spread are reported."
+    ),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="New tokens per run."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 (the default) is greedy, and outputs are checked to be identical."),
+    temperature: float = typer.Option(
+        0.0, "--temperature", help="0 (the default) is greedy, and outputs are checked to be identical."
+    ),
     top_k: TopKOpt = 0,
     top_p: TopPOpt = 1.0,
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling; repeat r uses seed + r, for the plain and the speculative run alike, which then print the same text (in float32; bfloat16 rounding can split them at near-ties)."),
-    chat: bool = typer.Option(False, "--chat", help="Wrap .txt prompts in the chat template (.jsonl messages always are)."),
+    seed: Optional[int] = typer.Option(
+        None,
+        "--seed",
+        help=(
+            "Seed for sampling; repeat r uses seed + r, for the plain and the speculative run alike, which then "
+            "print the same text (in float32; bfloat16 rounding can split them at near-ties)."
+        ),
+    ),
+    chat: bool = typer.Option(
+        False, "--chat", help="Wrap .txt prompts in the chat template (.jsonl messages always are)."
+    ),
     system: Optional[str] = typer.Option(None, "--system", help="System message for chat prompts."),
     output_format: str = typer.Option("table", "--format", "-f", help="table, json, csv or md."),
-    output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report to this file instead of stdout."),
-    plot_path: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of speed-up and acceptance per prompt and per k."),
+    output: Optional[str] = typer.Option(
+        None, "--output", "-o", help="Write the report to this file instead of stdout."
+    ),
+    plot_path: Optional[str] = typer.Option(
+        None, "--plot", help="Also write a PNG of speed-up and acceptance per prompt and per k."
+    ),
     load: Optional[dict] = None,
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
@@ -248,7 +387,10 @@ def bench(
         except ValueError as error:
             raise UsageError(str(error)) from None
         if options.draft.strip().lower() == NO_DRAFT:
-            raise UsageError("bench compares speculative decoding with plain decoding and needs a draft", "use --draft MODEL, --draft ngram or --draft lookahead")
+            raise UsageError(
+                "bench compares speculative decoding with plain decoding and needs a draft",
+                "use --draft MODEL, --draft ngram or --draft lookahead",
+            )
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
         speculator = pipeline.speculator(progress, recalibrate)
@@ -256,7 +398,11 @@ def bench(
             speculator.calibrate(SpecConfig().max_k)  # before the progress bar starts
         bench_progress = BenchProgressDisplay(progress, bar=not quiet and sys.stderr.isatty())
         runner = BenchRunner(
-            speculator, None, settings, progress=bench_progress.update, metadata=pipeline.model_info(),
+            speculator,
+            None,
+            settings,
+            progress=bench_progress.update,
+            metadata=pipeline.model_info(),
             dtype=pipeline.target.dtype,
         )
         interrupted = False
@@ -285,12 +431,37 @@ def bench(
 def serve(
     target: TargetOpt = None,
     draft: DraftOpt = None,
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. Loopback by default: only this machine can connect. Another address (0.0.0.0: every interface) lets the network in; give it --api-key."),
+    host: str = typer.Option(
+        "127.0.0.1",
+        "--host",
+        help=(
+            "Address to listen on. Loopback by default: only this machine can connect. Another address (0.0.0.0: "
+            "every interface) lets the network in; give it --api-key."
+        ),
+    ),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, said on stderr)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECGEN_API_KEY", show_envvar=True, help="Ask every /v1 request for `Authorization: Bearer KEY` (401 otherwise). /health stays open."),
-    max_queue: int = typer.Option(32, "--max-queue", min=0, help="Requests that may wait while one generates (one generation at a time: batch size 1); past that, 503 with Retry-After."),
-    model_name: Optional[str] = typer.Option(None, "--model-name", help="The name clients send as `model` (default: --target as given)."),
-    k: str = typer.Option("auto", "--k", "-k", help="Tokens drafted per step (>= 1) or auto, for requests that do not set `specgen.k`."),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        envvar="SPECGEN_API_KEY",
+        show_envvar=True,
+        help="Ask every /v1 request for `Authorization: Bearer KEY` (401 otherwise). /health stays open.",
+    ),
+    max_queue: int = typer.Option(
+        32,
+        "--max-queue",
+        min=0,
+        help=(
+            "Requests that may wait while one generates (one generation at a time: batch size 1); past that, 503 "
+            "with Retry-After."
+        ),
+    ),
+    model_name: Optional[str] = typer.Option(
+        None, "--model-name", help="The name clients send as `model` (default: --target as given)."
+    ),
+    k: str = typer.Option(
+        "auto", "--k", "-k", help="Tokens drafted per step (>= 1) or auto, for requests that do not set `specgen.k`."
+    ),
     tree: TreeOpt = False,
     load: Optional[dict] = None,
     recalibrate: RecalibrateOpt = False,
@@ -331,8 +502,12 @@ def serve(
             raise UsageError("--model-name is empty", "give the name clients send as `model`")
         sock = bind(host, port)  # a port in use is said before minutes of loading
         if not is_loopback(host) and not api_key:
-            print(f"specgen: warning: listening on {host} without --api-key: anyone who can reach this machine can"
-                  " use the models", file=sys.stderr, flush=True)
+            print(
+                f"specgen: warning: listening on {host} without --api-key: anyone who can reach this machine can"
+                " use the models",
+                file=sys.stderr,
+                flush=True,
+            )
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
         speculator = pipeline.speculator(progress, recalibrate)
@@ -341,9 +516,12 @@ def serve(
         served = Served(name, pipeline, speculator, int(time.time()))
         service = GenerationService(speculator, max_queue)
         app = create_app(served, service, defaults, api_key, log=progress)
-        print(f"specgen: serving {name} at {url_of(sock)}/v1 (target {pipeline.target.name}, draft"
-              f" {pipeline.draft_label}; one generation at a time, up to {max_queue} waiting). Ctrl-C stops.",
-              file=sys.stderr, flush=True)
+        print(
+            f"specgen: serving {name} at {url_of(sock)}/v1 (target {pipeline.target.name}, draft"
+            f" {pipeline.draft_label}; one generation at a time, up to {max_queue} waiting). Ctrl-C stops.",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             run(app, sock, on_stop=lambda: service.stop(timeout=0))
         finally:

@@ -34,7 +34,9 @@ def one_layer_config(target_config: Any) -> Any:
 def additive_mask(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[1, 1, n, m] mask to add to the head's attention scores from bool `seen` [n, m]
     (True: attends), as the head's decoder layer takes a mask other than causal."""
-    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)[None, None]
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)[
+        None, None
+    ]
 
 
 class EagleHead(nn.Module):

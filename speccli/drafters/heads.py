@@ -136,7 +136,9 @@ class _FixedRows(TreeSource):
     def root_logits(self, context: Sequence[int]) -> torch.Tensor:
         return self.rows[0]
 
-    def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int) -> list[torch.Tensor]:
+    def expand(
+        self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int
+    ) -> list[torch.Tensor]:
         return [self.rows[depth]] * len(nodes)
 
 
@@ -360,11 +362,15 @@ class _EagleSource(TreeSource):
     def root_logits(self, context: Sequence[int]) -> torch.Tensor:
         return self.drafter._logits(self.features[ROOT])
 
-    def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int) -> list[torch.Tensor]:
+    def expand(
+        self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int
+    ) -> list[torch.Tensor]:
         drafter = self.drafter
         real = drafter._real
         # Every real entry, then the drafted ones as feed_window says.
-        seen = torch.cat([torch.ones((len(nodes), real), dtype=torch.bool), feed_window(self.window, nodes, parents)], dim=1)
+        seen = torch.cat(
+            [torch.ones((len(nodes), real), dtype=torch.bool), feed_window(self.window, nodes, parents)], dim=1
+        )
         mask = additive_mask(seen, drafter.dtype).to(drafter.device)
         if drafter._cache is None:
             drafter._cache = drafter.head.new_cache()
@@ -373,7 +379,9 @@ class _EagleSource(TreeSource):
         embeds = drafter.embeddings(ids).to(drafter.dtype)
         # Node at depth d reads the feature of position (pending + d - 1).
         positions = torch.full((1, len(nodes)), real + depth - 1, dtype=torch.long, device=drafter.device)
-        out = drafter._pass(drafter.head, features[None], embeds, positions, cache=drafter._cache, attention_mask=mask)[0]
+        out = drafter._pass(drafter.head, features[None], embeds, positions, cache=drafter._cache, attention_mask=mask)[
+            0
+        ]
         drafter._entries += len(nodes)
         for node, feature in zip(nodes, out):
             self.features[node] = feature

@@ -215,7 +215,7 @@ class LookaheadDrafter(Drafter):
         for level in range(len(self.levels)):
             for column in range(width):
                 row = level * width + column
-                visible[row, :column + 1] = True  # level 0, columns 0..j
+                visible[row, : column + 1] = True  # level 0, columns 0..j
                 for earlier in range(1, level + 1):
                     visible[row, earlier * width + column] = True
         return Branch(tokens, offsets, visible)

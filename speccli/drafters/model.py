@@ -126,7 +126,12 @@ class ModelDrafter(Drafter):
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     def _chain(
-        self, logits: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None, noise: Noise | None
+        self,
+        logits: torch.Tensor,
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        noise: Noise | None,
     ) -> Draft:
         """The k tokens drafted on the device in one call (`CausalLM.chain`), then cut after
         the first the draft was unsure of, as the pass-by-pass loop stops there."""
@@ -186,7 +191,9 @@ class DraftModelSource(TreeSource):
         self.base = len(self.drafter.model.cached_tokens)  # the whole context: the tree grows after it
         return self.drafter.aligned(row)
 
-    def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int) -> list[torch.Tensor]:
+    def expand(
+        self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int
+    ) -> list[torch.Tensor]:
         visible = feed_window(self.window, nodes, parents)
         positions = [self.base - 1 + depth] * len(nodes)
         readable = self.drafter.readable([tokens[n] for n in nodes])

@@ -72,7 +72,11 @@ class GrownTree:
 
 
 def _children_counts(
-    dists: Sequence[tuple[int, torch.Tensor, float]], shape: TreeShape, nodes: int, expected: float, draft_seconds: float
+    dists: Sequence[tuple[int, torch.Tensor, float]],
+    shape: TreeShape,
+    nodes: int,
+    expected: float,
+    draft_seconds: float,
 ) -> list[int]:
     """How many children to draw for each (parent, q, parent's path probability), decided
     from the distributions alone, before drawing: slots in order of the parent's path
@@ -87,8 +91,10 @@ def _children_counts(
         if nodes >= shape.max_nodes:
             break
         now, more = shape.pass_cost(nodes + 1), shape.pass_cost(nodes + 2)
-        if now is not None and more is not None and (expected + proxy) * (draft_seconds + now) < expected * (
-            draft_seconds + more
+        if (
+            now is not None
+            and more is not None
+            and (expected + proxy) * (draft_seconds + now) < expected * (draft_seconds + more)
         ):
             break
         counts[index] += 1
@@ -109,7 +115,9 @@ class TreeSource:
         """[V_target] logits of the token after `context`."""
         raise NotImplementedError
 
-    def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int) -> list[torch.Tensor]:
+    def expand(
+        self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int], depth: int
+    ) -> list[torch.Tensor]:
         """Logits [V_target] of the children of each of `nodes` (all at `depth`; `tokens`
         and `parents` describe every node grown so far)."""
         raise NotImplementedError

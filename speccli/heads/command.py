@@ -241,7 +241,9 @@ def answerer(target: LoadedModel) -> tuple[Answer, str, int]:
 
 
 @torch.inference_mode()
-def greedy_batch(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: Sequence[int]) -> list[list[int]]:
+def greedy_batch(
+    model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: Sequence[int]
+) -> list[list[int]]:
     """Greedy continuations of several prompts in one transformers `generate` call (padded on
     the left, masked), each ending before a `stop` token or at `max_new_tokens`. Rows of a
     batched pass may round differently from a lone one's, so near-ties can go the other way."""
@@ -279,7 +281,9 @@ def accuracy_line(kind: str, accuracy: Sequence[float]) -> str:
         return "held-out top-1: no held-out text"
     if kind == "eagle":
         deeper = "".join(f", token {d + 1} {100 * a:.1f}%" for d, a in enumerate(accuracy[1:], start=1))
-        return f"held-out top-1: first token {100 * accuracy[0]:.1f}%" + (f"{deeper} (where the ones before were right)" if deeper else "")
+        return f"held-out top-1: first token {100 * accuracy[0]:.1f}%" + (
+            f"{deeper} (where the ones before were right)" if deeper else ""
+        )
     return "held-out top-1: " + ", ".join(f"head {i + 1} {100 * a:.1f}%" for i, a in enumerate(accuracy))
 
 
@@ -295,5 +299,10 @@ def default_config(kind: str, **overrides: Any) -> TrainConfig:
     # Lower rates, 1e-3 (medusa) and 3e-4 (eagle), learned too slowly in 2-8 epochs on the default target and corpus.
     rate = 3e-3 if kind == "medusa" else 1e-3
     unroll = EAGLE_UNROLL if kind == "eagle" else 1
-    values = {"kind": kind, "learning_rate": rate, "eagle_steps": unroll, **{k: v for k, v in overrides.items() if v is not None}}
+    values = {
+        "kind": kind,
+        "learning_rate": rate,
+        "eagle_steps": unroll,
+        **{k: v for k, v in overrides.items() if v is not None},
+    }
     return TrainConfig(**values)

@@ -26,8 +26,31 @@ from speccli.errors import UsageError
 SEGMENT_TOKENS = 256
 HELD_OUT_EVERY = 20  # every 20th segment is held out for accuracy
 TEXT_SUFFIXES = {
-    ".py", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".hpp", ".js", ".ts", ".go", ".rs",
-    ".java", ".sh", ".toml", ".yaml", ".yml", ".html", ".css", ".json", ".sql", ".rb", ".kt", ".swift",
+    ".py",
+    ".txt",
+    ".md",
+    ".rst",
+    ".c",
+    ".h",
+    ".cc",
+    ".cpp",
+    ".hpp",
+    ".js",
+    ".ts",
+    ".go",
+    ".rs",
+    ".java",
+    ".sh",
+    ".toml",
+    ".yaml",
+    ".yml",
+    ".html",
+    ".css",
+    ".json",
+    ".sql",
+    ".rb",
+    ".kt",
+    ".swift",
 }
 # One chat turn per this many source files in the default corpus.
 FILES_PER_CHAT = 2
@@ -122,15 +145,27 @@ def _jsonl_items(path: Path, tokens: Tokens) -> Iterator[list[int]]:
         try:
             item = json.loads(line)
         except ValueError:
-            raise UsageError(f"{path}:{number} is not JSON", hint="each line of a .jsonl file holds one JSON object") from None
+            raise UsageError(
+                f"{path}:{number} is not JSON", hint="each line of a .jsonl file holds one JSON object"
+            ) from None
         if not isinstance(item, dict):
             continue
         if isinstance(item.get("messages"), list):
             yield tokens.chat(item["messages"])
         elif "prompt" in item and "response" in item:
-            yield tokens.chat([{"role": "user", "content": str(item["prompt"])}, {"role": "assistant", "content": str(item["response"])}])
+            yield tokens.chat(
+                [
+                    {"role": "user", "content": str(item["prompt"])},
+                    {"role": "assistant", "content": str(item["response"])},
+                ]
+            )
         elif "instruction" in item and "output" in item:
-            yield tokens.chat([{"role": "user", "content": str(item["instruction"])}, {"role": "assistant", "content": str(item["output"])}])
+            yield tokens.chat(
+                [
+                    {"role": "user", "content": str(item["instruction"])},
+                    {"role": "assistant", "content": str(item["output"])},
+                ]
+            )
         elif isinstance(item.get("text"), str):
             yield tokens.text(item["text"])
 
@@ -147,7 +182,9 @@ def data_files(paths: Sequence[Path]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise UsageError(f"no such file or folder: {path}", hint="--data takes files or folders of text, code or .jsonl")
+            raise UsageError(
+                f"no such file or folder: {path}", hint="--data takes files or folders of text, code or .jsonl"
+            )
     return files
 
 
@@ -197,7 +234,11 @@ def build_corpus(
     if not segments:
         where = ", ".join(str(p) for p in data) if data else "the Python standard library"
         raise UsageError(f"no training text found in {where}", hint=f"give at least {segment_tokens} tokens of text")
-    description = "default: Python standard library sources and chats made from them" if not data else "files: " + ", ".join(str(p) for p in data)
+    description = (
+        "default: Python standard library sources and chats made from them"
+        if not data
+        else "files: " + ", ".join(str(p) for p in data)
+    )
     if chats:
         description = f"{len(chats)} of the target's own answers, then {description.removeprefix('default: ')}"
     return Corpus(segments, description)

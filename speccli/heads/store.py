@@ -144,7 +144,9 @@ def load_heads(
 
 def build_module(kind: str, target: nn.Module, vocab_size: int, shape: dict[str, Any]) -> nn.Module:
     if kind == "medusa":
-        return MedusaHeads(target.config.hidden_size, vocab_size, int(shape.get("heads", 4)), int(shape.get("layers", 1)))
+        return MedusaHeads(
+            target.config.hidden_size, vocab_size, int(shape.get("heads", 4)), int(shape.get("layers", 1))
+        )
     if kind == "eagle":
         return EagleHead(target.config)
     raise HeadsMismatch(f"unknown kind of heads: {kind} (known: {', '.join(KINDS)})")

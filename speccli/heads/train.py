@@ -85,7 +85,9 @@ class Trainer:
             self.rows = target.get_output_embeddings().weight.detach()[self.vocab.ids].float()
         self.train_labels = self.vocab.index_of(train.labels)
         if config.kind == "medusa":
-            self.module: nn.Module = MedusaHeads(target.config.hidden_size, len(self.vocab), config.heads, config.layers)
+            self.module: nn.Module = MedusaHeads(
+                target.config.hidden_size, len(self.vocab), config.heads, config.layers
+            )
             self.module.init_output(self.rows)
         else:
             self.module = EagleHead(target.config)
@@ -147,7 +149,9 @@ class Trainer:
 
     def _batch(self, step: int) -> torch.Tensor:
         epoch, index = divmod(step, self.per_epoch)
-        order = torch.randperm(len(self.train_set), generator=torch.Generator().manual_seed(self.config.seed * 1000 + epoch))
+        order = torch.randperm(
+            len(self.train_set), generator=torch.Generator().manual_seed(self.config.seed * 1000 + epoch)
+        )
         size = self.config.batch_segments
         return order[index * size : (index + 1) * size]
 
@@ -170,7 +174,15 @@ class Trainer:
         noise = torch.rand(features[:, :-1].shape, generator=torch.Generator().manual_seed(step)) * 2 - 1
         tokens = self.train_set.tokens[batch]
         return eagle_loss(
-            self.module, self.embeddings, self.rows, features, tokens, labels, self.rms, noise * EAGLE_NOISE * self.rms, self.config.eagle_steps
+            self.module,
+            self.embeddings,
+            self.rows,
+            features,
+            tokens,
+            labels,
+            self.rms,
+            noise * EAGLE_NOISE * self.rms,
+            self.config.eagle_steps,
         )
 
     def run(self) -> None:
@@ -229,7 +241,15 @@ class Trainer:
                         guess = self.vocab.ids[logits[i, :, :-shift].argmax(-1)]
                         _add(hits, totals, i, (guess == labels[:, shift:]).sum().item(), guess.numel())
                 else:
-                    guesses = eagle_guesses(self.module, self.embeddings, self.rows, self.vocab, features, data.tokens[part], EAGLE_MEASURED_DEPTHS)
+                    guesses = eagle_guesses(
+                        self.module,
+                        self.embeddings,
+                        self.rows,
+                        self.vocab,
+                        features,
+                        data.tokens[part],
+                        EAGLE_MEASURED_DEPTHS,
+                    )
                     for depth, (hit, total) in enumerate(chain_hits(guesses, labels[:, 1:])):
                         _add(hits, totals, depth, hit, total)
         self.module.train()
@@ -279,7 +299,12 @@ def unrolled_attention(length: int, steps: int) -> torch.Tensor:
 
 
 def eagle_unrolled(
-    head: EagleHead, embeddings: nn.Module, features: torch.Tensor, tokens: torch.Tensor, steps: int, noise: torch.Tensor | None = None
+    head: EagleHead,
+    embeddings: nn.Module,
+    features: torch.Tensor,
+    tokens: torch.Tensor,
+    steps: int,
+    noise: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Teacher forcing unrolled over `steps` drafting steps (EAGLE-3's training-time test):
     step 1 reads (feature t, embedding of token t + 1) for t < T - 1; step s reads
@@ -308,16 +333,30 @@ def eagle_unrolled(
 
 
 def eagle_guesses(
-    head: EagleHead, embeddings: nn.Module, rows: torch.Tensor, vocab: DraftVocab, features: torch.Tensor, tokens: torch.Tensor, depths: int = 1
+    head: EagleHead,
+    embeddings: nn.Module,
+    rows: torch.Tensor,
+    vocab: DraftVocab,
+    features: torch.Tensor,
+    tokens: torch.Tensor,
+    depths: int = 1,
 ) -> list[torch.Tensor]:
     """Teacher forcing: the head's drafted tokens (target ids) for positions 2 .. T [B, T - 1],
     at each depth up to `depths` (eagle_unrolled), from the target's true features and
     tokens; `rows` are the target's output rows for the draft vocabulary."""
-    return [vocab.ids[(out.float() @ rows.float().T).argmax(-1)] for out in eagle_unrolled(head, embeddings, features, tokens, depths)]
+    return [
+        vocab.ids[(out.float() @ rows.float().T).argmax(-1)]
+        for out in eagle_unrolled(head, embeddings, features, tokens, depths)
+    ]
 
 
 def eagle_first_guesses(
-    head: EagleHead, embeddings: nn.Module, rows: torch.Tensor, vocab: DraftVocab, features: torch.Tensor, tokens: torch.Tensor
+    head: EagleHead,
+    embeddings: nn.Module,
+    rows: torch.Tensor,
+    vocab: DraftVocab,
+    features: torch.Tensor,
+    tokens: torch.Tensor,
 ) -> torch.Tensor:
     """The first drafted tokens (eagle_guesses at depth 1)."""
     return eagle_guesses(head, embeddings, rows, vocab, features, tokens)[0]
@@ -359,6 +398,10 @@ def eagle_loss(
         regression = F.smooth_l1_loss(predicted.float() / rms, features[:, 1:][:, scored] / rms)
         scores = (predicted @ rows.T.to(predicted.dtype)).float().reshape(-1, rows.shape[0])
         targets = labels[:, 1:][:, scored].reshape(-1)
-        classification = F.cross_entropy(scores, targets, ignore_index=IGNORE) if (targets != IGNORE).any() else scores.sum() * 0
-        total = total + (1.0 if index == 0 else EAGLE_DEEPER_WEIGHT) * (regression + EAGLE_CLASSIFICATION_WEIGHT * classification)
+        classification = (
+            F.cross_entropy(scores, targets, ignore_index=IGNORE) if (targets != IGNORE).any() else scores.sum() * 0
+        )
+        total = total + (1.0 if index == 0 else EAGLE_DEEPER_WEIGHT) * (
+            regression + EAGLE_CLASSIFICATION_WEIGHT * classification
+        )
     return total

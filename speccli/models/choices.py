@@ -52,7 +52,9 @@ def choose_device(requested: str) -> torch.device:
         return torch.device("cpu")
     if req == "cuda" or req.startswith("cuda:"):
         if not torch.cuda.is_available():
-            raise ModelLoadError(f"--device {requested} was asked for, but torch sees no CUDA device", hint=_no_cuda_hint())
+            raise ModelLoadError(
+                f"--device {requested} was asked for, but torch sees no CUDA device", hint=_no_cuda_hint()
+            )
         if req == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         try:
@@ -123,9 +125,7 @@ def choose_dtype(requested: str, device: torch.device, quant: str = "none") -> t
     try:
         dtype = DTYPES[requested]
     except KeyError:
-        raise ModelLoadError(
-            f"unknown dtype {requested!r}", hint="use auto, " + ", ".join(DTYPES)
-        ) from None
+        raise ModelLoadError(f"unknown dtype {requested!r}", hint="use auto, " + ", ".join(DTYPES)) from None
     if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise ModelLoadError(
             f"--dtype bfloat16 was asked for, but {torch.cuda.get_device_name(device)} does not support it",
@@ -157,7 +157,7 @@ def int8_dtype(config: LoadConfig) -> torch.dtype:
 
 
 def choose_quant(requested: str, device: torch.device, *, gguf: bool = False, draft: bool = False) -> str:
-    """"none", "4bit" (bitsandbytes NF4; `nf4` names it too), "8bit", "int8", "int4" or "fp8".
+    """ "none", "4bit" (bitsandbytes NF4; `nf4` names it too), "8bit", "int8", "int4" or "fp8".
     auto: 4bit on CUDA (none if bitsandbytes is missing); on the CPU, int8 (PyTorch dynamic)
     for a draft and none for a target. int4 and fp8 are torchao's, on CUDA only
     (speccli.models.torchao_quant).
@@ -209,7 +209,7 @@ def choose_quant(requested: str, device: torch.device, *, gguf: bool = False, dr
 
 
 def choose_backend(config: LoadConfig, resolved: ResolvedModel, device: torch.device) -> str:
-    """"transformers" or "llama.cpp". auto takes llama.cpp for a GGUF file on the CPU when
+    """ "transformers" or "llama.cpp". auto takes llama.cpp for a GGUF file on the CPU when
     llama-cpp-python is installed and no --dtype or --quant asks for transformers' own
     dequantized weights; an explicit llama.cpp that cannot apply is a ModelLoadError."""
     from speccli.backends.llamacpp import INSTALL_HINT, llama_cpp_problem

@@ -19,8 +19,10 @@ __all__ = ["SharedVocab", "check_tokenizers_compatible", "shared_vocab"]
 
 SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
 
-_HINT = ("use --draft auto, ngram, or a draft of the target's family (same tokenizer);"
-         " `specgen models --drafts-for TARGET` lists them")
+_HINT = (
+    "use --draft auto, ngram, or a draft of the target's family (same tokenizer);"
+    " `specgen models --drafts-for TARGET` lists them"
+)
 
 
 def _id_to_token(tokenizer: Any, size: int) -> list[str | None]:
@@ -58,8 +60,9 @@ def check_tokenizers_compatible(target_tok: Any, draft_tok: Any) -> None:
     """
     kinds = _vocabulary_kind(target_tok), _vocabulary_kind(draft_tok)
     if None not in kinds and kinds[0] != kinds[1]:
-        raise TokenizerMismatchError(f"tokenizers are of different kinds: target {kinds[0]} vs draft {kinds[1]}",
-                                     hint=_HINT)
+        raise TokenizerMismatchError(
+            f"tokenizers are of different kinds: target {kinds[0]} vs draft {kinds[1]}", hint=_HINT
+        )
     added = _added_around_text(target_tok), _added_around_text(draft_tok)
     if None not in added and added[0] != added[1]:
         raise TokenizerMismatchError(

@@ -78,8 +78,13 @@ class ConvertedEntry:
     created: str
 
     def as_dict(self) -> dict[str, Any]:
-        return {"folder": str(self.folder), "source": self.source, "dtype": self.dtype,
-                "size_bytes": self.size_bytes, "created": self.created}
+        return {
+            "folder": str(self.folder),
+            "source": self.source,
+            "dtype": self.dtype,
+            "size_bytes": self.size_bytes,
+            "created": self.created,
+        }
 
 
 def _read_entry(folder: Path) -> dict[str, Any] | None:
@@ -265,8 +270,15 @@ def entries(cache_dir: Path) -> list[ConvertedEntry]:
             continue
         ident = entry.get("identity", {})
         size = sum(entry["files"].values())  # checked against the files by _intact
-        found.append(ConvertedEntry(folder, ident.get("source", {}).get("file", "?"), ident.get("dtype", "?"),
-                                    size, entry.get("created", "?")))
+        found.append(
+            ConvertedEntry(
+                folder,
+                ident.get("source", {}).get("file", "?"),
+                ident.get("dtype", "?"),
+                size,
+                entry.get("created", "?"),
+            )
+        )
     return sorted(found, key=lambda e: -e.size_bytes)
 
 

@@ -30,8 +30,15 @@ from speccli.models.shapes import SHAPES
 
 AUTO = "auto"
 PROMPT_LOOKUP = "ngram"
-TOKENIZER_GROUPS = {"llama3": "llama3", "llama3.1": "llama3", "llama3.2": "llama3", "llama3.3": "llama3",
-                    "qwen2.5": "qwen2.5", "qwen2.5-coder": "qwen2.5", "smollm2": "smollm2"}
+TOKENIZER_GROUPS = {
+    "llama3": "llama3",
+    "llama3.1": "llama3",
+    "llama3.2": "llama3",
+    "llama3.3": "llama3",
+    "qwen2.5": "qwen2.5",
+    "qwen2.5-coder": "qwen2.5",
+    "smollm2": "smollm2",
+}
 HEAD_LAYOUTS = ("eagle3", "eagle", "medusa")  # the order --draft auto prefers them in
 LAYOUT_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1/2", "medusa": "Medusa"}
 
@@ -54,8 +61,12 @@ class RegisteredHead:
 
 def _registered_heads() -> list[RegisteredHead]:
     heads = [
-        RegisteredHead("llama3.1-8b", "eagle3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
-                       "about 6 at temperature 0 on MT-bench (EAGLE-3 paper)"),
+        RegisteredHead(
+            "llama3.1-8b",
+            "eagle3",
+            "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+            "about 6 at temperature 0 on MT-bench (EAGLE-3 paper)",
+        ),
         RegisteredHead("llama3.1-8b", "eagle3", "lmsys/SGLang-EAGLE3-Llama-3.1-8B-Instruct-SpecForge"),
         RegisteredHead("llama3.1-8b", "eagle3", "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3"),
         RegisteredHead("llama3.1-8b", "eagle", "yuhuili/EAGLE-LLaMA3.1-Instruct-8B"),
@@ -114,8 +125,9 @@ def draft_models_for(target: Alias) -> list[Alias]:
     each part smallest first."""
     group = TOKENIZER_GROUPS.get(target.family, target.family)
     size = parameters(target)
-    smaller = [a for a in ALIASES.values()
-               if TOKENIZER_GROUPS.get(a.family, a.family) == group and parameters(a) < size]
+    smaller = [
+        a for a in ALIASES.values() if TOKENIZER_GROUPS.get(a.family, a.family) == group and parameters(a) < size
+    ]
     return sorted(smaller, key=lambda a: (a.family != target.family, parameters(a), a.name))
 
 
@@ -125,15 +137,22 @@ def choose_draft(target: str, cuda: bool = False) -> DraftChoice:
     alias = registered(target)
     heads = heads_for(target) if cuda else []
     if heads:
-        return DraftChoice(heads[0].draft, f"the registered {LAYOUT_NAMES[heads[0].layout]} head of {alias.name},"
-                                           " trained by its publisher on chat data")
+        return DraftChoice(
+            heads[0].draft,
+            f"the registered {LAYOUT_NAMES[heads[0].layout]} head of {alias.name},"
+            " trained by its publisher on chat data",
+        )
     if alias is None:
-        return DraftChoice(PROMPT_LOOKUP, f"{target} is not in specgen's registry, so no draft model is known to share"
-                                          " its tokenizer: prompt lookup (give --draft MODEL to use one)")
+        return DraftChoice(
+            PROMPT_LOOKUP,
+            f"{target} is not in specgen's registry, so no draft model is known to share"
+            " its tokenizer: prompt lookup (give --draft MODEL to use one)",
+        )
     candidates = draft_models_for(alias)
     if not candidates:
-        return DraftChoice(PROMPT_LOOKUP, f"no registered model is smaller than {alias.name} with its tokenizer:"
-                                          " prompt lookup")
+        return DraftChoice(
+            PROMPT_LOOKUP, f"no registered model is smaller than {alias.name} with its tokenizer: prompt lookup"
+        )
     best = candidates[0]
     kind = "of its family" if best.family == alias.family else "with its tokenizer"
     return DraftChoice(best.name, f"the smallest registered model {kind} ({best.params})")
@@ -166,20 +185,39 @@ def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
             size = "a residual block and an output layer per guessed position"
         else:
             size = f"one decoder layer, about 1/{SHAPES[alias.hub_id]['num_hidden_layers']} of the target's"
-        options.append(DraftOption(head.draft, "published head",
-                                   f"{LAYOUT_NAMES[head.layout]} head ({size}; {acceptance}); downloaded on first use",
-                                   head.draft == chosen, head.draft == chosen_cuda))
+        options.append(
+            DraftOption(
+                head.draft,
+                "published head",
+                f"{LAYOUT_NAMES[head.layout]} head ({size}; {acceptance}); downloaded on first use",
+                head.draft == chosen,
+                head.draft == chosen_cuda,
+            )
+        )
     for model in draft_models_for(alias) if alias is not None else []:
         how = "same family" if model.family == alias.family else "same tokenizer"
-        options.append(DraftOption(model.name, "model", f"{model.description}, {model.params} ({how})",
-                                   model.name == chosen, model.name == chosen_cuda))
+        options.append(
+            DraftOption(
+                model.name,
+                "model",
+                f"{model.description}, {model.params} ({how})",
+                model.name == chosen,
+                model.name == chosen_cuda,
+            )
+        )
     cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
     for kind in ("medusa", "eagle"):
         path = default_heads_path(cache, alias.name if alias else target, kind)
         if path.is_file():
             options.append(DraftOption(kind, "heads", f"{kind} heads trained here ({path})"))
-    options.append(DraftOption(PROMPT_LOOKUP, "drafter", "prompt lookup: continuations copied from the text so far",
-                               chosen == PROMPT_LOOKUP, chosen_cuda == PROMPT_LOOKUP))
+    options.append(
+        DraftOption(
+            PROMPT_LOOKUP,
+            "drafter",
+            "prompt lookup: continuations copied from the text so far",
+            chosen == PROMPT_LOOKUP,
+            chosen_cuda == PROMPT_LOOKUP,
+        )
+    )
     options.append(DraftOption("lookahead", "drafter", "lookahead decoding: n-grams the target's own passes propose"))
     return options
-

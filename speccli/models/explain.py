@@ -45,7 +45,9 @@ def _offline_aliases() -> str:
     return ", ".join(a.name for a in ALIASES.values() if a.offline)
 
 
-def _explain(exc: BaseException, name: str, resolved: ResolvedModel, quant: str, device: torch.device) -> ModelLoadError | None:
+def _explain(
+    exc: BaseException, name: str, resolved: ResolvedModel, quant: str, device: torch.device
+) -> ModelLoadError | None:
     """The ModelLoadError a user should see for ``exc``, or None when it looks like a bug."""
     from huggingface_hub import errors as hub_errors
 
@@ -70,7 +72,11 @@ def _explain(exc: BaseException, name: str, resolved: ResolvedModel, quant: str,
             f"{tried}: there is no model {where} on the Hugging Face Hub, nor a local folder of that name",
             hint="check the spelling (`specgen models` lists the aliases); a private repository needs `hf auth login`",
         )
-    network_types: tuple[type, ...] = (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, ConnectionError)
+    network_types: tuple[type, ...] = (
+        hub_errors.LocalEntryNotFoundError,
+        hub_errors.OfflineModeIsEnabled,
+        ConnectionError,
+    )
     for http_module in ("httpx2", "httpx"):  # huggingface_hub 2.x uses httpx2, 1.x httpx
         try:
             http = __import__(http_module)
@@ -104,8 +110,10 @@ def _explain(exc: BaseException, name: str, resolved: ResolvedModel, quant: str,
             f"{tried}: {first_line(str(exc))}",
             hint="transformers cannot load this architecture from GGUF: use a safetensors version of the model",
         )
-    if "does not recognize this architecture" in lowered or "unrecognized model" in lowered or (
-        has(KeyError) and "model_type" in lowered
+    if (
+        "does not recognize this architecture" in lowered
+        or "unrecognized model" in lowered
+        or (has(KeyError) and "model_type" in lowered)
     ):
         import transformers
 
@@ -135,7 +143,10 @@ def _explain(exc: BaseException, name: str, resolved: ResolvedModel, quant: str,
         if hub:
             hint = "if the repository holds only .gguf files, download one (`hf download`) and pass its path"
         else:
-            hint = "a model folder needs model.safetensors (or pytorch_model.bin) next to config.json: save it with save_pretrained()"
+            hint = (
+                "a model folder needs model.safetensors (or pytorch_model.bin) next to config.json: save it with "
+                "save_pretrained()"
+            )
         return ModelLoadError(f"{tried}: it has no weights ({first_line(str(exc))})", hint=hint)
     if quant in ("4bit", "8bit") and has(RuntimeError, NotImplementedError, ValueError, TypeError):
         return ModelLoadError(
@@ -145,7 +156,10 @@ def _explain(exc: BaseException, name: str, resolved: ResolvedModel, quant: str,
     if resolved.is_gguf and has(ValueError, KeyError, OSError, IndexError):
         return ModelLoadError(
             f"{tried}: cannot read the GGUF file ({first_line(str(exc))})",
-            hint="the file may be damaged or newer than the installed gguf package: re-download it, or pip install -U gguf",
+            hint=(
+                "the file may be damaged or newer than the installed gguf package: re-download it, or pip install "
+                "-U gguf"
+            ),
         )
     if has(OSError) and hub:
         return ModelLoadError(f"{tried}: {first_line(str(exc))}", hint="check the model name and your network")
@@ -184,12 +198,8 @@ class _DropMessages(logging.Filter):
 def quiet_libraries() -> None:
     """Drop warnings that say nothing a user can act on: two of bitsandbytes (one at import, no
     optional `kernels` package; one on every 8-bit matmul on the CPU), two of torchao's import."""
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
-        _DropMessages("Failed to load CPU gemm_4bit_forward")
-    )
-    logging.getLogger("bitsandbytes.autograd._functions").addFilter(
-        _DropMessages("MatMul8bitLt: inputs will be cast")
-    )
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropMessages("Failed to load CPU gemm_4bit_forward"))
+    logging.getLogger("bitsandbytes.autograd._functions").addFilter(_DropMessages("MatMul8bitLt: inputs will be cast"))
     # transformers imports torchao whenever it is installed (the cuda extra): its kernels for
     # other GPUs than this one fail to load, and torch deprecates how it registers enums.
     logging.getLogger("torchao").addFilter(_DropMessages("Failed to load "))

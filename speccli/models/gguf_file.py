@@ -127,7 +127,9 @@ def tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
     try:
         block_elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
-        raise GgufFormatError(f"unknown ggml tensor type {ggml_type} (newer than the installed gguf package?)") from None
+        raise GgufFormatError(
+            f"unknown ggml tensor type {ggml_type} (newer than the installed gguf package?)"
+        ) from None
     return math.prod(shape) // block_elements * block_bytes
 
 

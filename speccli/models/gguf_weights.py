@@ -91,7 +91,9 @@ def dequantize(data: mmap.mmap, tensor: GgufTensor, torch_types: set[int]) -> np
             values = torch_dequantize(raw, tensor.ggml_type, torch.float32)
         return values.reshape(tensor.shape).numpy()
     if tensor.ggml_type in _FLOAT_TYPES:
-        values = np.frombuffer(data, dtype=_FLOAT_TYPES[tensor.ggml_type], count=math.prod(tensor.shape), offset=tensor.start)
+        values = np.frombuffer(
+            data, dtype=_FLOAT_TYPES[tensor.ggml_type], count=math.prod(tensor.shape), offset=tensor.start
+        )
         return values.reshape(tensor.shape).astype(np.float32)  # a copy, out of the mapping
     block_elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.ggml_type)]
     raw_shape = (*tensor.shape[:-1], tensor.shape[-1] // block_elements * block_bytes)
@@ -232,7 +234,9 @@ def gguf_config(path: Path) -> Any:
     return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-def load_causal_lm(path: Path, dtype: torch.dtype, device_map: dict[str, Any] | None, progress: TensorProgress | None = None) -> Any:
+def load_causal_lm(
+    path: Path, dtype: torch.dtype, device_map: dict[str, Any] | None, progress: TensorProgress | None = None
+) -> Any:
     """The model ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)``
     gives for the GGUF file at ``path``, with the same weights bit for bit, several times faster.
     None where transformers' own loader should run instead: an architecture its new GGUF loader

@@ -93,7 +93,9 @@ def run_trial(model_path: Path) -> subprocess.CompletedProcess:
     """The child: load with extra buffer types and run the trial passes (see `_trial`)."""
     return subprocess.run(
         [sys.executable, "-m", "speccli.models.llamacpp_check", str(model_path)],
-        capture_output=True, text=True, timeout=CHECK_TIMEOUT_SECONDS,
+        capture_output=True,
+        text=True,
+        timeout=CHECK_TIMEOUT_SECONDS,
     )
 
 
@@ -151,7 +153,7 @@ def _trial(model_path: str) -> None:
     tokens = filler_ids(lm.vocab_size, sum(TRIAL_PASSES))
     start = 0
     for size in TRIAL_PASSES:
-        lm.forward(tokens[start:start + size])
+        lm.forward(tokens[start : start + size])
         start += size
 
 

@@ -90,8 +90,17 @@ Progress = Callable[[str], None]
 # end-of-generation list). GGUF files often name one eos id only: Qwen2.5's names <|im_end|> but not
 # <|endoftext|>, so a completion prompt ran on past the end of its text into unrelated code.
 END_OF_GENERATION_TOKENS = (
-    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
-    "<end_of_turn>", "<|return|>", "<|call|>", "<EOT>", "<｜end▁of▁sentence｜>",
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|return|>",
+    "<|call|>",
+    "<EOT>",
+    "<｜end▁of▁sentence｜>",
 )
 
 
@@ -150,9 +159,11 @@ class LoadedModel:
                 f"{generic}) on {self.device}, loaded in {self.load_seconds:.1f} s"
             )
         quant = "" if self.quant == "none" else f" ({self.quant})"
-        linear = {"onednn": ", oneDNN linear", "two-row": ", one-row products as two", "fused": ", q/k/v and gate/up fused"}.get(
-            self.linear, ""
-        )
+        linear = {
+            "onednn": ", oneDNN linear",
+            "two-row": ", one-row products as two",
+            "fused": ", q/k/v and gate/up fused",
+        }.get(self.linear, "")
         if self.stock_rows:
             fewest, most = min(self.stock_rows.values()), max(self.stock_rows.values())
             linear += f" from {fewest if fewest == most else f'{fewest}-{most}'} rows"
@@ -182,7 +193,11 @@ def _from_pretrained(fn: Callable[..., Any], resolved: ResolvedModel, kwargs: di
 
 
 def _model_kwargs(
-    resolved: ResolvedModel, dtype: torch.dtype, quant: str, device: torch.device, trust_remote_code: bool,
+    resolved: ResolvedModel,
+    dtype: torch.dtype,
+    quant: str,
+    device: torch.device,
+    trust_remote_code: bool,
     tp: int = 1,
 ) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
@@ -276,11 +291,15 @@ def load_tokenizer(
     if backend == "llama.cpp":
         quant, dtype = "none", torch.float32  # the weights keep the file's quantization; logits are float32
     else:
-        quant = "none" if config.tp > 1 else choose_quant(config.quant, device, gguf=peek.is_gguf, draft=config.for_draft)
+        quant = (
+            "none" if config.tp > 1 else choose_quant(config.quant, device, gguf=peek.is_gguf, draft=config.for_draft)
+        )
         dtype = int8_dtype(config) if quant == "int8" else choose_dtype(config.dtype, device, quant)
         if quant == "int4" and dtype != torch.bfloat16:
-            raise ModelLoadError(f"--quant int4 (torchao's tinygemm kernel) computes in bfloat16, not {dtype_name(dtype)}",
-                                 hint="drop --dtype, or use --dtype bfloat16")
+            raise ModelLoadError(
+                f"--quant int4 (torchao's tinygemm kernel) computes in bfloat16, not {dtype_name(dtype)}",
+                hint="drop --dtype, or use --dtype bfloat16",
+            )
     if config.quant == "auto" and device.type == "cuda" and quant == "none" and not peek.is_gguf:
         say(f"bitsandbytes is unavailable ({bitsandbytes_problem()}): loading {name} unquantized")
     resolved = resolve(name, cache, progress, byte_progress=byte_progress) if peek.kind == "offline-package" else peek
@@ -303,8 +322,12 @@ def load_tokenizer(
 
 
 def load_config(
-    name: str, cache_dir: Path | None = None, trust_remote_code: bool = False, progress: Progress | None = None,
-    *, shapes_only: bool = False,
+    name: str,
+    cache_dir: Path | None = None,
+    trust_remote_code: bool = False,
+    progress: Progress | None = None,
+    *,
+    shapes_only: bool = False,
 ) -> tuple[ResolvedModel, Any]:
     """A model's transformers config and where it lives, without its weights: config.json from
     a folder or the Hub, a GGUF file's header (an offline package is assembled first).
@@ -344,7 +367,12 @@ def model_config(pending: PendingModel) -> Any:
 
 
 def check_memory(
-    name: str, resolved: ResolvedModel, quant: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
+    name: str,
+    resolved: ResolvedModel,
+    quant: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool,
     tp: int = 1,
 ) -> MemoryNeed:
     """What the model needs on `device` in `quant` (its share of `tp` ranks), from its config
@@ -383,7 +411,9 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
             if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
                 raise  # the entry is fine; the device is full
             converted.discard(kept)
-            say(f"the converted weights in {kept} could not be read ({type(error).__name__}): removed, converting again")
+            say(
+                f"the converted weights in {kept} could not be read ({type(error).__name__}): removed, converting again"
+            )
             kept = None
     with explaining(name, resolved, quant, device):
         if model is None:

@@ -136,9 +136,7 @@ def get_offline_model(alias: str) -> OfflineModel:
         return OFFLINE_MODELS[alias]
     except KeyError:
         known = ", ".join(sorted(OFFLINE_MODELS))
-        raise OfflineModelError(
-            f"unknown offline model {alias!r}", hint=f"known offline models: {known}"
-        ) from None
+        raise OfflineModelError(f"unknown offline model {alias!r}", hint=f"known offline models: {known}") from None
 
 
 def slug(name: str) -> str:

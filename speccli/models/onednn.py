@@ -276,8 +276,9 @@ def spread_layers(weights: Sequence[torch.Tensor], budget: int = TIMED_WEIGHT_BY
     return [weights[index * len(weights) // count] for index in range(count)]
 
 
-def stock_rows_below(weights: Sequence[torch.Tensor], max_rows: int = MAX_STOCK_ROWS, rounds: int = 3,
-                     clock=time.perf_counter) -> int:
+def stock_rows_below(
+    weights: Sequence[torch.Tensor], max_rows: int = MAX_STOCK_ROWS, rounds: int = 3, clock=time.perf_counter
+) -> int:
     """The first row count (1 to max_rows) at which oneDNN multiplies by float32 `weights`
     (the layers of one shape, each once per timing, as a pass does) as fast as PyTorch's own
     kernel: the median over `rounds` adjacent pairs in alternating order. max_rows + 1 where
@@ -297,6 +298,7 @@ def stock_rows_below(weights: Sequence[torch.Tensor], max_rows: int = MAX_STOCK_
                 for weight in weights:
                     multiply(x, weight)
             return clock() - started
+
         return seconds
 
     with torch.inference_mode():
@@ -310,8 +312,12 @@ def stock_rows_below(weights: Sequence[torch.Tensor], max_rows: int = MAX_STOCK_
     return max_rows + 1
 
 
-def choose_stock_rows(model: torch.nn.Module, history_dir: Path | None = None, machine: str = "",
-                      progress: Callable[[str], None] | None = None) -> dict[tuple[int, int], int]:
+def choose_stock_rows(
+    model: torch.nn.Module,
+    history_dir: Path | None = None,
+    machine: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> dict[tuple[int, int], int]:
     """Time, for each weight shape of `model`'s OneDnnLinear layers, the rows below which
     PyTorch's own kernel is the faster (stock_rows_below), and set each layer's
     `stock_below` to it. Shapes too small to judge (MIN_TIMED_FLOAT32_WEIGHT) stay oneDNN's.
@@ -331,8 +337,13 @@ def choose_stock_rows(model: torch.nn.Module, history_dir: Path | None = None, m
     chosen: dict[tuple[int, int], int] = {}
     remembered: dict[tuple[int, int], list[int]] = {}
     for shape in judged:
-        found = [] if history_dir is None else [int(n) for n in _read_numbers(
-            kernel_history(history_dir, "stock-rows", machine, shape), "stock_below")]
+        found = (
+            []
+            if history_dir is None
+            else [
+                int(n) for n in _read_numbers(kernel_history(history_dir, "stock-rows", machine, shape), "stock_below")
+            ]
+        )
         if len(found) >= REMEMBERED_STOCK_ROWS:  # decided: later loads time nothing
             chosen[shape] = statistics.median_low(found[-REMEMBERED_STOCK_ROWS:])
         remembered[shape] = found

@@ -99,12 +99,16 @@ def memory_need(
     return MemoryNeed(weights, kv_cache, WORKING_BYTES + WORKING_SHARE * weights)
 
 
-def check_fits(name: str, need: MemoryNeed, quant: str, free: float, device: str, alternatives: dict[str, MemoryNeed]) -> None:
+def check_fits(
+    name: str, need: MemoryNeed, quant: str, free: float, device: str, alternatives: dict[str, MemoryNeed]
+) -> None:
     """Raise ModelLoadError (before anything is downloaded or allocated) when `need` exceeds
     `free` bytes, naming the quantizations in `alternatives` that would fit."""
     if need.total <= free:
         return
-    fitting = [f"--quant {q} ({n.total / GB:.1f} GB)" for q, n in alternatives.items() if n.total <= free and q != quant]
+    fitting = [
+        f"--quant {q} ({n.total / GB:.1f} GB)" for q, n in alternatives.items() if n.total <= free and q != quant
+    ]
     raise ModelLoadError(
         f"{name} in {quant} needs {need.total / GB:.1f} GB on {device} ({need.weights / GB:.1f} GB of weights, "
         f"{need.kv_cache / GB:.1f} GB of KV cache for {KV_TOKENS:,} tokens, {need.working / GB:.1f} GB working), "
@@ -113,8 +117,9 @@ def check_fits(name: str, need: MemoryNeed, quant: str, free: float, device: str
     )
 
 
-def check_pair_fits(target: str, target_need: MemoryNeed, draft: str, draft_need: MemoryNeed, free: float,
-                    device: str) -> None:
+def check_pair_fits(
+    target: str, target_need: MemoryNeed, draft: str, draft_need: MemoryNeed, free: float, device: str
+) -> None:
     """Target and draft on one device: raise ModelLoadError when together they need more than
     `free` bytes (each alone was checked as it was named)."""
     total = target_need.total + draft_need.total
@@ -201,15 +206,29 @@ def plan_pair(
     if gpu_bytes is not None and target_need.total + extra > gpu_bytes:
         more = next((n for n in TP_SIZES if n > tp and first_gpu(quant, n) <= gpu_bytes), None)
         if more is not None:
-            suggestions.append(f"use --tp {more} on {more} {gpu_bytes / GB:.0f} GB GPUs"
-                               + (f" (this machine has {gpus})" if 0 < gpus < more else ""))
+            suggestions.append(
+                f"use --tp {more} on {more} {gpu_bytes / GB:.0f} GB GPUs"
+                + (f" (this machine has {gpus})" if 0 < gpus < more else "")
+            )
         smaller = next((q for q in SMALLER if q != quant and first_gpu(q, tp) <= gpu_bytes), None)
         if smaller is not None:
             size = memory_need(target_model, smaller, dtype, kv_tokens, 1).weights
             where = "on one" if tp == 1 else f"over {tp}"
             suggestions.append(f"--quant {smaller}, {size / GB:.0f} GB, {where}")
-    return PairPlan(target_name, draft_name, quant, draft_quant, tp, kv_tokens, target_need, draft_need, weights,
-                    gpu_bytes, gpus, tuple(suggestions))
+    return PairPlan(
+        target_name,
+        draft_name,
+        quant,
+        draft_quant,
+        tp,
+        kv_tokens,
+        target_need,
+        draft_need,
+        weights,
+        gpu_bytes,
+        gpus,
+        tuple(suggestions),
+    )
 
 
 WEIGHT_FORMATS = (("bf16", "none"), ("8bit", "8bit"), ("4bit", "4bit"))

@@ -23,9 +23,23 @@ from speccli.models.published_heads import PublishedHead
 
 # Config keys an EAGLE-3 layer is built from; anything else in a head's config is not read.
 LAYER_KEYS = (
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-    "hidden_act", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
-    "mlp_bias", "vocab_size", "draft_vocab_size", "target_hidden_size", "norm_before_residual",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "hidden_act",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "attention_bias",
+    "mlp_bias",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "norm_before_residual",
 )
 
 
@@ -61,12 +75,17 @@ def _load(module: nn.Module, weights: dict[str, torch.Tensor], source: str, igno
     weights = {k: v for k, v in weights.items() if not k.startswith(ignore)}
     missing = [k for k in expected if k not in weights]
     extra = [k for k in weights if k not in expected]
-    wrong = [f"{k} {list(v.shape)} (expected {list(expected[k].shape)})"
-             for k, v in weights.items() if k in expected and v.shape != expected[k].shape]
+    wrong = [
+        f"{k} {list(v.shape)} (expected {list(expected[k].shape)})"
+        for k, v in weights.items()
+        if k in expected and v.shape != expected[k].shape
+    ]
     if missing or extra or wrong:
-        parts = [f"lacks {', '.join(missing[:3])}" if missing else "",
-                 f"has unexpected {', '.join(extra[:3])}" if extra else "",
-                 f"has {', '.join(wrong[:2])}" if wrong else ""]
+        parts = [
+            f"lacks {', '.join(missing[:3])}" if missing else "",
+            f"has unexpected {', '.join(extra[:3])}" if extra else "",
+            f"has {', '.join(wrong[:2])}" if wrong else "",
+        ]
         raise HeadsMismatch(f"{source}: its weights do not fit the layout: {'; '.join(p for p in parts if p)}")
     module.load_state_dict(weights, strict=False)
 
@@ -104,7 +123,9 @@ def eagle_module(tensors: dict[str, torch.Tensor], head: PublishedHead, config: 
     return module
 
 
-def eagle3_module(tensors: dict[str, torch.Tensor], head: PublishedHead, target_vocab: int) -> tuple[Eagle3Head, DraftVocab]:
+def eagle3_module(
+    tensors: dict[str, torch.Tensor], head: PublishedHead, target_vocab: int
+) -> tuple[Eagle3Head, DraftVocab]:
     """An EAGLE-3 head and its draft vocabulary (target id = draft id + d2t[draft id])."""
     from transformers import LlamaConfig
 

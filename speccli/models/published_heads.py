@@ -131,8 +131,10 @@ def _read_safetensors(path: Path, shapes_only: bool) -> dict:
                 return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
             return {key: handle.get_tensor(key) for key in handle.keys()}
     except Exception as error:  # noqa: BLE001 - SafetensorError, OSError: any unreadable file is the same answer
-        raise HeadsMismatch(f"{path} cannot be read as safetensors ({error})",
-                            hint="download the head again, or point to an intact copy") from None
+        raise HeadsMismatch(
+            f"{path} cannot be read as safetensors ({error})",
+            hint="download the head again, or point to an intact copy",
+        ) from None
 
 
 def _torch_load(path: Path, mmap: bool) -> dict[str, torch.Tensor]:
@@ -157,8 +159,10 @@ def fetch(source: str, progress: Callable[[str], None] | None = None) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise HeadsMismatch(f"{source} is a file: a published head is a folder (config.json and its weights)",
-                            hint="give the folder, or a Hub id")
+        raise HeadsMismatch(
+            f"{source} is a file: a published head is a folder (config.json and its weights)",
+            hint="give the folder, or a Hub id",
+        )
     if not looks_like_hub_id(source):
         raise HeadsMismatch(f"no head at {source}: neither a folder nor a Hub id (owner/name)")
     from huggingface_hub import snapshot_download
@@ -175,7 +179,7 @@ def fetch(source: str, progress: Callable[[str], None] | None = None) -> Path:
         raise HeadUnavailable(
             f"cannot download the head {source}: {str(error).splitlines()[0] if str(error) else type(error).__name__}",
             hint=f"where the Hub is reachable, `hf download {source} --local-dir DIR`; then give its folder"
-                 " (e.g. --draft eagle3:DIR)",
+            " (e.g. --draft eagle3:DIR)",
         ) from None
 
 
@@ -194,7 +198,9 @@ def read_head(source: str, layout: str, progress: Callable[[str], None] | None =
     if medusa:
         weights = tuple(p for p in medusa if p.suffix == ".safetensors") or tuple(medusa[:1])
     else:
-        weights = tuple(sorted(folder.glob("*.safetensors"))) or tuple(sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt")))
+        weights = tuple(sorted(folder.glob("*.safetensors"))) or tuple(
+            sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+        )
     if not weights:
         raise HeadsMismatch(f"{source} holds no weights (*.safetensors, *.bin, *.pt) in {folder}")
     head = PublishedHead(layout, source, folder, config, weights)
@@ -222,7 +228,9 @@ def _layout_of(head: PublishedHead) -> str | None:
     return "eagle" if fc[1] == 2 * fc[0] else None
 
 
-def check_head(head: PublishedHead, target_config: Any, target_name: str, target_hub_id: str | None = None) -> str | None:
+def check_head(
+    head: PublishedHead, target_config: Any, target_name: str, target_hub_id: str | None = None
+) -> str | None:
     """Refuse a head whose shapes do not fit the target (HeadsMismatch, before any weights);
     return a warning when its config names another target while its shapes fit."""
     hidden, vocab, layers = target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers
@@ -260,8 +268,10 @@ def check_head(head: PublishedHead, target_config: Any, target_name: str, target
             hint=f"give a head trained for {target_name} (specgen models --drafts-for {target_name}), or --draft auto",
         )
     if trained_for and not _same_model(trained_for, target_name, target_hub_id):
-        return (f"{head.label} was published for {trained_for}; its shapes fit {target_name}, so it drafts for it"
-                " (acceptance is only as good as the two agree)")
+        return (
+            f"{head.label} was published for {trained_for}; its shapes fit {target_name}, so it drafts for it"
+            " (acceptance is only as good as the two agree)"
+        )
     return None
 
 

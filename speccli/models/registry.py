@@ -75,7 +75,9 @@ def _aliases() -> dict[str, Alias]:
         out.append(Alias(name, hub_id, family, params, desc + " (gated: accept the licence on the Hub)", gated=True))
     for size in ("0.5B", "1.5B", "3B", "7B", "14B", "32B", "72B"):
         out.append(
-            Alias(f"qwen2.5-{size.lower()}", f"Qwen/Qwen2.5-{size}-Instruct", "qwen2.5", size, f"Qwen2.5 {size} Instruct")
+            Alias(
+                f"qwen2.5-{size.lower()}", f"Qwen/Qwen2.5-{size}-Instruct", "qwen2.5", size, f"Qwen2.5 {size} Instruct"
+            )
         )
     offline_coder = {"0.5B": "qwen2.5-coder-0.5b", "1.5B": "qwen2.5-coder-1.5b"}
     for size in ("0.5B", "1.5B", "3B", "7B", "14B", "32B"):
@@ -153,9 +155,7 @@ def _looks_like_hub_id(name: str) -> bool:
 
 def _looks_like_path(name: str) -> bool:
     return (
-        name.startswith(("./", "../", "/", "~", ".\\", "..\\"))
-        or name in (".", "..")
-        or name.lower().endswith(".gguf")
+        name.startswith(("./", "../", "/", "~", ".\\", "..\\")) or name in (".", "..") or name.lower().endswith(".gguf")
     )
 
 
@@ -194,7 +194,9 @@ def _resolve_path(path: Path) -> ResolvedModel:
     return ResolvedModel("gguf-file", str(path.parent), path.name, f"GGUF file {path}")
 
 
-def _byte_progress(say: Progress, interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> offline.ProgressFn:
+def _byte_progress(
+    say: Progress, interval: float = 1.0, clock: Callable[[], float] = time.monotonic
+) -> offline.ProgressFn:
     """Turn offline's (label, done, total) calls into a few lines: one at the start, then
     one per 10% step, at most every ``interval`` seconds (a quick job prints one line)."""
     shown: dict[str, tuple[float, int]] = {}
@@ -343,9 +345,7 @@ def _hf_cached_sizes(hf_cache_dir: Path | str | None) -> dict[str, int]:
     for repo in info.repos:
         if repo.repo_type != "model":
             continue
-        has_weights = any(
-            f.file_name.endswith(_WEIGHT_SUFFIXES) for rev in repo.revisions for f in rev.files
-        )
+        has_weights = any(f.file_name.endswith(_WEIGHT_SUFFIXES) for rev in repo.revisions for f in rev.files)
         if has_weights:
             sizes[repo.repo_id] = repo.size_on_disk
     return sizes
@@ -381,6 +381,8 @@ def list_models(cache_dir: Path | None = None, hf_cache_dir: Path | str | None =
         else:
             availability, size = AVAILABLE_DOWNLOAD, None
         rows.append(
-            ModelListing(alias.name, alias.hub_id, alias.family, alias.params, availability, size, alias.description, note)
+            ModelListing(
+                alias.name, alias.hub_id, alias.family, alias.params, availability, size, alias.description, note
+            )
         )
     return rows

@@ -17,16 +17,25 @@ from typing import Any
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, tie_word_embeddings=False)
 _QWEN25 = dict(model_type="qwen2", vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768)
 _QWEN25_LARGE = dict(_QWEN25, vocab_size=152064, tie_word_embeddings=False)
-_QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, tie_word_embeddings=False,
-              max_position_embeddings=40960)
+_QWEN3 = dict(
+    model_type="qwen3", vocab_size=151936, head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960
+)
 _VICUNA = dict(model_type="llama", vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=2048)
 _SMOLLM2 = dict(model_type="llama", vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
 
 
-def _shape(family: dict[str, Any], hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
-           **rest: Any) -> dict[str, Any]:
-    return dict(family, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, **rest)
+def _shape(
+    family: dict[str, Any], hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **rest: Any
+) -> dict[str, Any]:
+    return dict(
+        family,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        **rest,
+    )
 
 
 _LLAMA3_8B = _shape(_LLAMA3, 4096, 14336, 32, 32, 8)
@@ -47,10 +56,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-3.1-8B-Instruct": dict(_LLAMA3_8B, max_position_embeddings=131072),
     "meta-llama/Llama-3.1-70B-Instruct": dict(_LLAMA3_70B, max_position_embeddings=131072),
     "meta-llama/Llama-3.3-70B-Instruct": dict(_LLAMA3_70B, max_position_embeddings=131072),
-    "meta-llama/Llama-3.2-3B-Instruct": _shape(_LLAMA3, 3072, 8192, 28, 24, 8, head_dim=128, tie_word_embeddings=True,
-                                               max_position_embeddings=131072),
-    "meta-llama/Llama-3.2-1B-Instruct": _shape(_LLAMA3, 2048, 8192, 16, 32, 8, head_dim=64, tie_word_embeddings=True,
-                                               max_position_embeddings=131072),
+    "meta-llama/Llama-3.2-3B-Instruct": _shape(
+        _LLAMA3, 3072, 8192, 28, 24, 8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=131072
+    ),
+    "meta-llama/Llama-3.2-1B-Instruct": _shape(
+        _LLAMA3, 2048, 8192, 16, 32, 8, head_dim=64, tie_word_embeddings=True, max_position_embeddings=131072
+    ),
     **{f"Qwen/Qwen2.5-{size}-Instruct": shape for size, shape in _QWEN25_SIZES.items()},
     **{f"Qwen/Qwen2.5-Coder-{size}-Instruct": shape for size, shape in _QWEN25_SIZES.items() if size != "72B"},
     "Qwen/Qwen3-0.6B": _shape(_QWEN3, 1024, 3072, 28, 16, 8, tie_word_embeddings=True),

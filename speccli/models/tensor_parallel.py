@@ -30,8 +30,11 @@ def check_heads_split(name: str, model_config: Any, tp: int) -> None:
         return
     common = math.gcd(heads, kv_heads)
     working = [n for n in range(2, common + 1) if common % n == 0]
-    hint = (f"use --tp {' or '.join(str(n) for n in working)}" if working
-            else "this model cannot be split by heads: drop --tp")
+    hint = (
+        f"use --tp {' or '.join(str(n) for n in working)}"
+        if working
+        else "this model cannot be split by heads: drop --tp"
+    )
     raise ModelLoadError(
         f"--tp {tp} cannot split {name}: each rank holds whole heads, and it has {heads} attention heads"
         f" and {kv_heads} key/value heads",

@@ -53,8 +53,9 @@ def check_torchao_quant(quant: str, device: torch.device, *, gguf: bool) -> None
         )
     problem = torchao_problem()
     if problem is not None:
-        raise ModelLoadError(f"--quant {quant} needs torchao, which cannot be imported here ({problem})",
-                             hint=INSTALL_HINT)
+        raise ModelLoadError(
+            f"--quant {quant} needs torchao, which cannot be imported here ({problem})", hint=INSTALL_HINT
+        )
     if quant == "fp8" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
         raise ModelLoadError(
             f"--quant fp8 needs FP8 units (compute capability 8.9 or later); "

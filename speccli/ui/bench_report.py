@@ -267,7 +267,12 @@ def to_markdown(results: BenchResults) -> str:
     """A Markdown table per (prompt, k), the per-k totals in bold, the headline, near-ties and errors."""
     lines = [
         "| " + " | ".join(SUMMARY_COLUMNS) + " |",
-        "|" + "|".join("---" if c in ("prompt", "category", "acceptance by position", "errors") else "---:" for c in SUMMARY_COLUMNS) + "|",
+        "|"
+        + "|".join(
+            "---" if c in ("prompt", "category", "acceptance by position", "errors") else "---:"
+            for c in SUMMARY_COLUMNS
+        )
+        + "|",
     ]
     for s in results.by_prompt:
         lines.append("| " + " | ".join(_md_escape(c) for c in summary_cells(s)) + " |")
@@ -347,7 +352,9 @@ def plot(results: BenchResults, path: Path) -> Path:
     try:
         fig.savefig(path, format="png", dpi=120)
     except OSError as error:
-        raise ReportError(f"cannot write the plot to {path}: {error.strerror or error}", "check the folder exists and is writable") from None
+        raise ReportError(
+            f"cannot write the plot to {path}: {error.strerror or error}", "check the folder exists and is writable"
+        ) from None
     finally:
         plt.close(fig)
     return path

@@ -473,8 +473,12 @@ def run_chat(
     if settings.spec.k == AUTO_K:
         speculator.calibrate(settings.spec.max_k)  # now, rather than after the first question
     session = ChatSession(
-        speculator, settings, system,
-        baseline_tokens=baseline_tokens, baseline_budget=baseline_budget, model_info=pipeline.model_info(),
+        speculator,
+        settings,
+        system,
+        baseline_tokens=baseline_tokens,
+        baseline_budget=baseline_budget,
+        model_info=pipeline.model_info(),
     )
     off = False if color is False else None
     ui = ChatUI(session, stdout, stderr, colour_enabled(stdout, off), colour_enabled(stderr, off))

@@ -36,15 +36,31 @@ def print_table(listings: list[ModelListing], stream: TextIO | None = None) -> N
     from rich.table import Table
 
     table = Table(title="specgen models", title_justify="left")
-    for column in ("alias", "family", "params", "resolves to", "available", "size", "weights bf16 / 8-bit / 4-bit",
-                   "published heads"):
+    for column in (
+        "alias",
+        "family",
+        "params",
+        "resolves to",
+        "available",
+        "size",
+        "weights bf16 / 8-bit / 4-bit",
+        "published heads",
+    ):
         table.add_column(column, no_wrap=column != "resolves to")
     for item in listings:
         default = {DEFAULT_TARGET: " (default target)", DEFAULT_DRAFT: " (default draft)"}.get(item.alias, "")
         weights = " / ".join(format_size(item.weights[f]) for f in ("bf16", "8bit", "4bit")) if item.weights else "-"
         layouts = sorted({head.layout for head in heads_for(item.alias)}, key=HEAD_LAYOUTS.index)
-        table.add_row(item.alias + default, item.family, item.params, item.resolves_to, item.availability,
-                      format_size(item.size_bytes), weights, ", ".join(layouts) or "-")
+        table.add_row(
+            item.alias + default,
+            item.family,
+            item.params,
+            item.resolves_to,
+            item.availability,
+            format_size(item.size_bytes),
+            weights,
+            ", ".join(layouts) or "-",
+        )
     stream = stream or sys.stdout
     console = PipeAwareConsole(file=stream, width=None if stream.isatty() else 200)
     console.print(table)
@@ -71,8 +87,14 @@ def print_heads_table(listings, stream: TextIO | None = None) -> None:
     for item in listings:
         accuracy = ", ".join(f"{100 * a:.1f}%" for a in item.accuracy) or "-"
         cells = (
-            item.kind, item.target, format_size(item.size_bytes), str(item.tokens or "-"), str(item.vocab or "-"),
-            accuracy, item.trained or "-", item.path,
+            item.kind,
+            item.target,
+            format_size(item.size_bytes),
+            str(item.tokens or "-"),
+            str(item.vocab or "-"),
+            accuracy,
+            item.trained or "-",
+            item.path,
         )
         # Targets and paths are the user's: "[...]" in them is text, not Rich markup.
         table.add_row(*(Text(cell) for cell in cells))

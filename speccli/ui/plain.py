@@ -63,9 +63,15 @@ def generation_settings(pipeline: Pipeline, sampling: SamplingConfig, spec: Spec
     """What a generation ran with: its settings and where the models ran."""
     info = pipeline.model_info()
     return {
-        "k": spec.k, "max_new_tokens": spec.max_new_tokens, "temperature": sampling.temperature,
-        "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
-        "dtype": info["dtype"], "device": info["device"], "quant": info["quant"],
+        "k": spec.k,
+        "max_new_tokens": spec.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "dtype": info["dtype"],
+        "device": info["device"],
+        "quant": info["quant"],
         "draft_quant": pipeline.draft.quant if pipeline.draft else None,
         "linear": info["linear"],
         "backend": info["backend"],
@@ -73,7 +79,12 @@ def generation_settings(pipeline: Pipeline, sampling: SamplingConfig, spec: Spec
 
 
 def generation_record(
-    text: str, tokens: list[dict], finish_reason: str, target: str | None, draft: str | None, settings: dict | None,
+    text: str,
+    tokens: list[dict],
+    finish_reason: str,
+    target: str | None,
+    draft: str | None,
+    settings: dict | None,
     stats: dict | None,
 ) -> dict:
     """`generate --json`'s object, from its parts: built here for a local generation and by
@@ -118,7 +129,6 @@ def dump_json(payload: dict, stream: TextIO) -> None:
 def fmt_optional(value: float | None, spec: str, missing: str = "n/a") -> str:
     """A figure that may not exist yet (no steps, nothing drafted)."""
     return missing if value is None else format(value, spec)
-
 
 
 def stats_summary(stats: GenerationStats) -> str:
@@ -178,7 +188,12 @@ def read_prompt(argument: str | None) -> str:
 
 
 def print_generation(
-    pipeline: Pipeline, generation: Generation, sampling: SamplingConfig, spec: SpecConfig, as_json: bool, show_stats: bool
+    pipeline: Pipeline,
+    generation: Generation,
+    sampling: SamplingConfig,
+    spec: SpecConfig,
+    as_json: bool,
+    show_stats: bool,
 ) -> bool:
     """Stream one generation to stdout: its text, or (as_json) one JSON object at the end;
     statistics to stderr. On Ctrl-C what was generated stays printed (or goes into the JSON,
@@ -222,8 +237,15 @@ def print_remote_generation(remote: RemoteAnswer, as_json: bool, show_stats: boo
         if figures is None:
             record = generation_record(text, remote.tokens, remote.finish_reason, None, None, None, None)
         else:
-            record = generation_record(text, remote.tokens, figures["finish_reason"], figures["target"],
-                                       figures["draft"], figures["settings"], figures["stats"])
+            record = generation_record(
+                text,
+                remote.tokens,
+                figures["finish_reason"],
+                figures["target"],
+                figures["draft"],
+                figures["settings"],
+                figures["stats"],
+            )
         dump_json(record, sys.stdout)
     elif sys.stdout.isatty():
         sys.stdout.write("\n")

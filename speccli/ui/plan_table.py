@@ -12,17 +12,31 @@ from speccli.models.plan import GB, MemoryNeed, PairPlan
 def _need(need: MemoryNeed | None) -> dict | None:
     if need is None:
         return None
-    return {"weights": round(need.weights), "kv_cache": round(need.kv_cache), "working": round(need.working),
-            "total": round(need.total)}
+    return {
+        "weights": round(need.weights),
+        "kv_cache": round(need.kv_cache),
+        "working": round(need.working),
+        "total": round(need.total),
+    }
 
 
 def plan_dict(plan: PairPlan) -> dict:
     return {
-        "target": plan.target, "draft": plan.draft, "quant": plan.quant, "draft_quant": plan.draft_quant,
-        "tp": plan.tp, "kv_tokens": plan.kv_tokens, "target_weights": round(plan.target_weights),
-        "target_per_gpu": _need(plan.target_need), "draft_on_first_gpu": _need(plan.draft_need),
-        "first_gpu": round(plan.first_gpu), "gpu_bytes": None if plan.gpu_bytes is None else round(plan.gpu_bytes),
-        "gpus": plan.gpus, "fits": plan.fits, "suggestions": list(plan.suggestions), "verdict": plan.verdict(),
+        "target": plan.target,
+        "draft": plan.draft,
+        "quant": plan.quant,
+        "draft_quant": plan.draft_quant,
+        "tp": plan.tp,
+        "kv_tokens": plan.kv_tokens,
+        "target_weights": round(plan.target_weights),
+        "target_per_gpu": _need(plan.target_need),
+        "draft_on_first_gpu": _need(plan.draft_need),
+        "first_gpu": round(plan.first_gpu),
+        "gpu_bytes": None if plan.gpu_bytes is None else round(plan.gpu_bytes),
+        "gpus": plan.gpus,
+        "fits": plan.fits,
+        "suggestions": list(plan.suggestions),
+        "verdict": plan.verdict(),
     }
 
 
@@ -38,8 +52,10 @@ def print_table(plan: PairPlan, stream: TextIO | None = None) -> None:
     def gb(value: float) -> str:
         return f"{value / GB:.1f} GB"
 
-    table = Table(title=f"specgen plan: tensor parallel over {plan.tp} GPU(s), KV cache for {plan.kv_tokens:,} tokens",
-                  title_justify="left")
+    table = Table(
+        title=f"specgen plan: tensor parallel over {plan.tp} GPU(s), KV cache for {plan.kv_tokens:,} tokens",
+        title_justify="left",
+    )
     for column in ("model", "format", "on", "weights", "KV cache", "working", "total"):
         table.add_column(column, no_wrap=True, justify="left" if column in ("model", "format", "on") else "right")
     spread = "each GPU" if plan.tp > 1 else "the GPU"

@@ -38,10 +38,22 @@ class _BarDisplay:
         self.bar = None
         if bar:
             from speccli.ui.consoles import PipeAwareConsole
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             # Descriptions carry prompts and paths: "[...]" in them is text, not Rich markup.
-            columns = [TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+            columns = [
+                TextColumn("{task.description}", markup=False),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+            ]
             if remaining:
                 columns.append(TimeRemainingColumn())
             self.bar = Progress(*columns, console=PipeAwareConsole(stderr=True), transient=True)
