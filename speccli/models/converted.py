@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,3 +298,44 @@ def remove(cache_dir: Path, matching: str | None = None) -> list[ConvertedEntry]
     if root.is_dir():
         _remove_stale_partials(root)
     return removed
+
+
+_keeping: list[threading.Thread] = []
+
+
+def keeper(
+    model: Any, cache: Path, conversion: dict[str, Any], name: str, say: Callable[[str], None]
+) -> Callable[[], None]:
+    """What starts writing the GGUF's dequantization for later starts, in a thread beside the
+    rest of the start (the next model's load, the first tokens); the interpreter waits for it
+    before it exits (see finish_conversions). A failure (a full disk, a read-only cache) costs
+    only the next start's time; a write cut short leaves no entry (store). Calling
+    it again does nothing."""
+    # The tensors are taken now, before any layer is replaced (an int8 draft's while the
+    # thread writes, the kernels' after timing): the thread writes these, alive and unchanged.
+    tensors = model.state_dict()
+    started: list[threading.Thread] = []
+
+    # Nothing is said when it is done: by then the answer may be streaming to the terminal.
+    def write() -> None:
+        try:
+            store(cache, conversion, lambda target: model.save_pretrained(target, state_dict=tensors))
+        except OSError as error:
+            say(f"{name}: could not keep the converted weights ({error}); the next start converts again")
+
+    def start() -> None:
+        if started:
+            return
+        say(f"{name}: keeping the converted weights in {cache / FOLDER} for later starts")
+        thread = threading.Thread(target=write, name=f"specgen-keep-{name}")
+        started.append(thread)
+        _keeping.append(thread)
+        thread.start()
+
+    return start
+
+
+def finish_conversions() -> None:
+    """Wait for the conversions being written (a non-daemon thread is waited for at exit anyway)."""
+    while _keeping:
+        _keeping.pop().join()

@@ -24,7 +24,6 @@ dequantized weights kept for later starts), ``onednn.py`` and ``int8.py`` (CPU k
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from speccli.models.choices import (
     dtype_name,
     int8_dtype,
 )
+from speccli.models.converted import finish_conversions
 from speccli.models.cpu import cpu_name
 from speccli.models.errors import ModelLoadError
 from speccli.models.explain import explaining, offline_mode, quiet_libraries
@@ -78,6 +78,7 @@ __all__ = [  # and what the choices and the tensor-parallel check decide, as the
     "check_tensor_parallel",
     "cpu_name",
     "dtype_name",
+    "finish_conversions",
     "load_model",
     "load_tokenizer",
     "load_weights",
@@ -430,7 +431,7 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
                     _model_kwargs(resolved, dtype, quant, device, config.trust_remote_code, config.tp),
                 )
             if conversion is not None:
-                keep = _conversion_keeper(model, cache, conversion, name, say)
+                keep = converted.keeper(model, cache, conversion, name, say)
         if quant in ("none", "int8") and device.type != "cuda":
             model = model.to(device)
         if quant == "int8":
@@ -521,47 +522,6 @@ def _converted_kwargs(dtype: torch.dtype, device: torch.device) -> dict[str, Any
     if device.type == "cuda":
         kwargs["device_map"] = {"": device}
     return kwargs
-
-
-_keeping: list[threading.Thread] = []
-
-
-def _conversion_keeper(
-    model: Any, cache: Path, conversion: dict[str, Any], name: str, say: Progress
-) -> Callable[[], None]:
-    """What starts writing the GGUF's dequantization for later starts, in a thread beside the
-    rest of the start (the next model's load, the first tokens); the interpreter waits for it
-    before it exits (see finish_conversions). A failure (a full disk, a read-only cache) costs
-    only the next start's time; a write cut short leaves no entry (converted.store). Calling
-    it again does nothing."""
-    # The tensors are taken now, before any layer is replaced (an int8 draft's while the
-    # thread writes, the kernels' after timing): the thread writes these, alive and unchanged.
-    tensors = model.state_dict()
-    started: list[threading.Thread] = []
-
-    # Nothing is said when it is done: by then the answer may be streaming to the terminal.
-    def write() -> None:
-        try:
-            converted.store(cache, conversion, lambda target: model.save_pretrained(target, state_dict=tensors))
-        except OSError as error:
-            say(f"{name}: could not keep the converted weights ({error}); the next start converts again")
-
-    def start() -> None:
-        if started:
-            return
-        say(f"{name}: keeping the converted weights in {cache / converted.FOLDER} for later starts")
-        thread = threading.Thread(target=write, name=f"specgen-keep-{name}")
-        started.append(thread)
-        _keeping.append(thread)
-        thread.start()
-
-    return start
-
-
-def finish_conversions() -> None:
-    """Wait for the conversions being written (a non-daemon thread is waited for at exit anyway)."""
-    while _keeping:
-        _keeping.pop().join()
 
 
 def _load_llama_cpp(pending: PendingModel, say: Progress, started: float) -> LoadedModel:
