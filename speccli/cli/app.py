@@ -388,19 +388,35 @@ def _tensor_parallel(command: Callable[..., None], kwargs: dict, load: dict) -> 
     distributed.announce_rank0()
     distributed.quiet_other_ranks()
     distributed.join(load["device"])
+    code = 0
     try:
         if not rank.leads:
             run_guarded(lambda: _follow(kwargs, load))
-            return
-        try:
-            command(**kwargs, load=load)
-        except typer.Exit as done:
-            if done.exit_code == 0:
-                distributed.stop_followers()
-            raise
-        distributed.stop_followers()
+        else:
+            try:
+                command(**kwargs, load=load)
+            except typer.Exit as done:
+                if done.exit_code == 0:
+                    distributed.stop_followers()
+                raise
+            distributed.stop_followers()
+    except typer.Exit as done:
+        code = done.exit_code
     finally:
         distributed.leave()
+    _exit_rank(code)
+
+
+def _exit_rank(code: int) -> None:
+    """End a rank once its work is done and its process group left: at once, past the
+    interpreter's teardown, where gloo's threads could still abort the process ('terminate
+    called without an active exception', signal 6) after a clean run."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # a reader gone, a closed stream
+            pass
+    os._exit(code)
 
 
 def _check_tensor_parallel(kwargs: dict, load: dict) -> int:
