@@ -275,7 +275,7 @@ class Endpoints:
         try:
             first = await self._next(updates, gone)
             if isinstance(first, Failed):
-                raise self._stopping() if first.stopping else APIError(500, first.message, type="server_error")
+                raise self._failure(first)
             if not body.stream:
                 return await self._whole(job, updates, reply, body, len(ids), gone, label)
         except ClientGone:
@@ -285,6 +285,10 @@ class Endpoints:
         finally:
             gone.cancel()  # from here a stream's disconnect is watched by the response itself
         return EventSourceResponse(self._stream(job, updates, reply, body, len(ids), label), sep="\n", ping=15)
+
+    def _failure(self, failed: Failed) -> APIError:
+        """A generation that could not run: the server stopping (503), or a fault of specgen's (500)."""
+        return self._stopping() if failed.stopping else APIError(500, failed.message, type="server_error")
 
     def _stopping(self) -> APIError:
         return APIError(503, "The server is shutting down.", type="server_error", code="shutting_down")
@@ -323,7 +327,7 @@ class Endpoints:
             while True:
                 update = await self._next(updates, gone)
                 if isinstance(update, Failed):
-                    raise self._stopping() if update.stopping else APIError(500, update.message, type="server_error")
+                    raise self._failure(update)
                 if isinstance(update, Finished):
                     break
         except ClientGone:
@@ -366,7 +370,7 @@ class Endpoints:
                         yield _data(reply.usage_chunk(usage(prompt_tokens, generation)))
                     break
                 elif isinstance(update, Failed):
-                    error = self._stopping() if update.stopping else APIError(500, update.message, type="server_error")
+                    error = self._failure(update)
                     yield _data(error.body())
                     break
             ended = True

@@ -81,21 +81,18 @@ def figures(
 ) -> dict:
     """The `specgen` object of a finished response: what speculation did, and everything
     `generate --json` prints but the text and tokens (those too, with `with_tokens`)."""
-    stats = generation.stats
+    stats = generation.stats.as_dict()
     info = served.pipeline.model_info()
     payload = {
         "drafter": served.pipeline.drafter_name,
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "acceptance_rate": None if stats.acceptance_rate is None else round(stats.acceptance_rate, 4),
-        "tokens_per_step": None if stats.tokens_per_step is None else round(stats.tokens_per_step, 4),
+        **{name: stats[name] for name in ("drafted", "accepted", "acceptance_rate", "tokens_per_step")},
         "estimated_speedup": estimated_speedup(served, generation),
         "finish_reason": generation.finish_reason,
         "target": info["target"],
         "draft": info["draft"],
         "models": models_line(served.pipeline),
         "settings": generation_settings(served.pipeline, sampling, spec),
-        "stats": stats.as_dict(),
+        "stats": stats,
     }
     if with_tokens:
         payload["tokens"] = [token_record(t) for t in generation.tokens]
