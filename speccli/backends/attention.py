@@ -25,7 +25,12 @@ them a weight of exactly 0, so a window changes which zeros are summed, not the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 WINDOW_SDPA = "specgen_window_sdpa"
 # Context buckets: a pass attends over the smallest that holds its context, so a graph is
@@ -55,7 +60,7 @@ def windowed_sdpa(
     rep = heads // groups
     packed = attention_mask is not None and attention_mask.dim() == 4 and rep > 1 and attention_mask.shape[2] == rep * n
     narrower = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] < key.shape[2]
-    if not (packed or narrower):
+    if attention_mask is None or not (packed or narrower):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -93,7 +98,7 @@ def query_groups(config) -> int:
     return heads // kv_heads if heads and kv_heads else 1
 
 
-def use_windowed_attention(model: torch.nn.Module) -> bool:
+def use_windowed_attention(model: PreTrainedModel) -> bool:
     """Switch a model whose attention is SDPA to `WINDOW_SDPA` (registering it once);
     True when it runs it now. Other implementations are left as they are."""
     global _registered

@@ -15,9 +15,11 @@ class ChainPicker(Protocol):
     tensor operations (no value read back to the host), so that a whole chain can be
     replayed as one CUDA graph. Its randomness lives in buffers it refills before each chain."""
 
-    # Two pickers with equal keys pick alike from the same buffers: a graph captured with
-    # one replays for the other.
-    key: Hashable
+    @property
+    def key(self) -> Hashable:
+        """Two pickers with equal keys pick alike from the same buffers: a graph captured with
+        one replays for the other."""
+        ...
 
     def pick(self, logits: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """logits [V_draft] -> (token [1] long, the draft's probability of it [1] float32,
@@ -62,11 +64,17 @@ def pick_chain(
 class CausalLM(Protocol):
     """A causal language model with a KV cache, at batch size 1."""
 
-    # Seconds of one-time setup spent inside passes so far (a CUDA graph captured on first
-    # use): the decoder keeps them out of the steps' timings.
-    setup_seconds: float
-    # Runs a whole draft chain on the device (`chain`): the backends with CUDA graphs.
-    chains: bool
+    @property
+    def setup_seconds(self) -> float:
+        """Seconds of one-time setup spent inside passes so far (a CUDA graph captured on
+        first use): the decoder keeps them out of the steps' timings."""
+        ...
+
+    @property
+    def chains(self) -> bool:
+        """Whether a whole draft chain runs on the device (`chain`): the backends with CUDA
+        graphs. Where False, `chain` is never called (it raises NotImplementedError)."""
+        ...
 
     @property
     def vocab_size(self) -> int: ...

@@ -26,11 +26,15 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, ParamSpec, Sequence, TypeVar
 
 import torch
 
+from speccli.backends.base import Chain, ChainPicker, FeatureLM
 from speccli.backends.ranks import Rank, current, launched  # noqa: F401 - this module's API
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # Rank 0's exit code where another rank went away during an operation they shared: it says
 # nothing, and the launcher's one line names the rank that died (exit code 1).
@@ -197,36 +201,87 @@ class LeaderLM:
     is the wrapped model's. A Ctrl-C during an operation is held until it is done on this
     rank: leaving a pass half-way would leave the other ranks waiting in its collectives."""
 
-    # Besides the cache's operations, those that gather what a drafter needs whole.
-    # A chain's passes would run on this rank alone: drafts are driven from the host here.
-    chains = False
-
+    # Besides the cache's operations, those that gather what a drafter needs whole: the
+    # methods below that `_mirrored` sends to the other ranks, by these names.
     OPERATIONS = ("forward", "forward_tree", "rollback", "keep", "capture_hidden", "input_embedding", "output_rows")
 
-    def __init__(self, lm) -> None:
+    def __init__(self, lm: FeatureLM) -> None:
         self._lm = lm
 
     @property
-    def wrapped(self):
+    def wrapped(self) -> FeatureLM:
         """The model this rank runs (what reports describe)."""
         return self._lm
 
-    def __getattr__(self, name: str):
-        value = getattr(self._lm, name)
-        if name not in self.OPERATIONS:
-            return value
+    def _mirrored(self, name: str, operation: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """`operation` (the wrapped model's `name`) here, once the other ranks were told to run it."""
+        with _held_interrupt():
+            try:
+                share((name, _portable(args), kwargs))
+                return operation(*args, **kwargs)
+            except RuntimeError as error:
+                if _peer_gone(error):  # SystemExit: past every handler that would print it, cleanups run
+                    raise SystemExit(EXIT_RANK_LOST) from None
+                raise
 
-        def mirrored(*args, **kwargs):
-            with _held_interrupt():
-                try:
-                    share((name, _portable(args), kwargs))
-                    return value(*args, **kwargs)
-                except RuntimeError as error:
-                    if _peer_gone(error):  # SystemExit: past every handler that would print it, cleanups run
-                        raise SystemExit(EXIT_RANK_LOST) from None
-                    raise
+    # ------------------------------------------------------------------ mirrored on every rank
 
-        return mirrored
+    def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
+        return self._mirrored("forward", self._lm.forward, token_ids, all_logits)
+
+    def forward_tree(
+        self, token_ids: Sequence[int], positions: Sequence[int], visible: torch.Tensor, window_start: int
+    ) -> torch.Tensor:
+        return self._mirrored("forward_tree", self._lm.forward_tree, token_ids, positions, visible, window_start)
+
+    def rollback(self, length: int) -> None:
+        self._mirrored("rollback", self._lm.rollback, length)
+
+    def keep(self, start: int, offsets: Sequence[int]) -> None:
+        self._mirrored("keep", self._lm.keep, start, offsets)
+
+    def capture_hidden(self, layers: Sequence[int] | None = None) -> None:
+        self._mirrored("capture_hidden", self._lm.capture_hidden, layers)
+
+    def input_embedding(self) -> torch.nn.Module:
+        return self._mirrored("input_embedding", self._lm.input_embedding)
+
+    def output_rows(self) -> torch.Tensor:
+        return self._mirrored("output_rows", self._lm.output_rows)
+
+    # ------------------------------------------------------------------ this rank's own
+
+    @property
+    def chains(self) -> bool:
+        """A chain's passes would run on this rank alone: drafts are driven from the host here."""
+        return False
+
+    def chain(self, logits: torch.Tensor, steps: int, picker: ChainPicker) -> Chain:
+        raise NotImplementedError("a split target runs no draft chains on the device (its `chains` is False)")
+
+    @property
+    def setup_seconds(self) -> float:
+        return self._lm.setup_seconds
+
+    @property
+    def vocab_size(self) -> int:
+        return self._lm.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._lm.device
+
+    @property
+    def cached_tokens(self) -> Sequence[int]:
+        return self._lm.cached_tokens
+
+    @property
+    def max_length(self) -> int | None:
+        return self._lm.max_length
+
+    @property
+    def last_hidden(self) -> torch.Tensor:
+        return self._lm.last_hidden
 
     def stop_followers(self) -> None:
         share(("stop", (), {}))
@@ -235,7 +290,7 @@ class LeaderLM:
 _leaders: list[LeaderLM] = []
 
 
-def lead(lm) -> LeaderLM:
+def lead(lm: FeatureLM) -> LeaderLM:
     """Rank 0's target, mirrored on the other ranks (`stop_followers` ends them)."""
     leader = LeaderLM(lm)
     _leaders.append(leader)

@@ -20,6 +20,8 @@ specgen swapped in, and layers split over processes (`--tp`) are left as they ar
 
 from __future__ import annotations
 
+from typing import Callable, TypeGuard
+
 import torch
 from torch import nn
 
@@ -27,12 +29,26 @@ ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
 MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _dense(module: object) -> bool:
+def _dense(module: object) -> TypeGuard[nn.Linear]:
     """A plain nn.Linear over a plain tensor (not a quantized or sharded subclass)."""
     if type(module) is not nn.Linear:
         return False
     tensors = [module.weight] + ([module.bias] if module.bias is not None else [])
     return all(type(t.data) is torch.Tensor for t in tensors)
+
+
+def _dense_parts(module: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
+    """The module's projections `names`, where every one is there and dense (`_dense`)."""
+    parts = [part for part in (getattr(module, name, None) for name in names) if _dense(part)]
+    return parts if len(parts) == len(names) else None
+
+
+def _linear(module: nn.Module, name: str) -> nn.Linear:
+    """The module's projection `name` (a Linear: `_dense_parts` found it so)."""
+    part = getattr(module, name)
+    if not isinstance(part, nn.Linear):
+        raise TypeError(f"{type(module).__name__}.{name} is a {type(part).__name__}, not a Linear")
+    return part
 
 
 def _stack(linears: list[nn.Linear]) -> nn.Linear:
@@ -75,6 +91,8 @@ class StackedProjection(nn.Module):
 class ProjectionPart(nn.Module):
     """Stands where one of the stacked projections stood (`attention.q_proj`, ...)."""
 
+    _stacked: StackedProjection
+
     def __init__(self, stacked: StackedProjection, index: int) -> None:
         super().__init__()
         # Kept out of the module tree: the parent registers the stacked weights once.
@@ -90,12 +108,18 @@ class ProjectionPart(nn.Module):
 class FusedGatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up as one product."""
 
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
-        self.gate_up = _stack([mlp.gate_proj, mlp.up_proj])
-        self.down_proj = mlp.down_proj
-        self.act_fn = mlp.act_fn
-        self.intermediate = mlp.gate_proj.out_features
+        gate = _linear(mlp, "gate_proj")
+        self.gate_up = _stack([gate, _linear(mlp, "up_proj")])
+        self.down_proj = _linear(mlp, "down_proj")
+        act_fn = getattr(mlp, "act_fn", None)
+        if not callable(act_fn):
+            raise TypeError(f"{type(mlp).__name__} has no act_fn to call")
+        self.act_fn = act_fn
+        self.intermediate = gate.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
@@ -103,22 +127,23 @@ class FusedGatedMLP(nn.Module):
 
 
 def _gated_mlp(module: nn.Module) -> bool:
-    return all(_dense(getattr(module, name, None)) for name in MLP_PARTS) and callable(getattr(module, "act_fn", None))
+    return _dense_parts(module, MLP_PARTS) is not None and callable(getattr(module, "act_fn", None))
 
 
 def _attention(module: nn.Module) -> bool:
-    parts = [getattr(module, name, None) for name in ATTENTION_PARTS]
-    return all(_dense(p) for p in parts) and len({p.in_features for p in parts}) == 1
+    parts = _dense_parts(module, ATTENTION_PARTS)
+    return parts is not None and len({p.in_features for p in parts}) == 1
 
 
 def _same_output(original: nn.Module, fused: nn.Module) -> bool:
     """The fused MLP computes what the module it replaces computes, on one random row scaled
     so that the gate's inputs are of order one (near zero, SiLU is nearly linear and a gate
     swapped with its up projection would pass unnoticed)."""
-    weight = original.gate_proj.weight
-    x = torch.randn(1, 1, original.gate_proj.in_features, dtype=weight.dtype, device=weight.device)
+    gate = _linear(original, "gate_proj")
+    weight = gate.weight
+    x = torch.randn(1, 1, gate.in_features, dtype=weight.dtype, device=weight.device)
     with torch.inference_mode():
-        x = x * (2.0 / original.gate_proj(x).float().std().clamp_min(1e-6)).to(x.dtype)
+        x = x * (2.0 / gate(x).float().std().clamp_min(1e-6)).to(x.dtype)
         want, got = original(x).float(), fused(x).float()
     return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
 

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from speccli.backends.base import check_kept_offsets, check_tree_pass
+from speccli.backends.base import Chain, ChainPicker, check_kept_offsets, check_tree_pass
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
-def _output_size(model: torch.nn.Module) -> int:
+def _output_size(model: PreTrainedModel) -> int:
     """Rows of the output layer (a quantized Linear's `weight` is a method, not a tensor)."""
     head = model.get_output_embeddings()
     size = getattr(head, "out_features", None)
@@ -32,15 +36,31 @@ def _whole(weight: torch.Tensor) -> torch.Tensor:
     return weight.full_tensor() if isinstance(weight, DTensor) else weight
 
 
+def _weight(embedding: torch.nn.Module) -> torch.Tensor:
+    """An input embedding's weight (a tensor: embeddings are never quantized into methods)."""
+    weight = embedding.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"the input embedding {type(embedding).__name__} has no weight tensor")
+    return weight
+
+
+def cache_tensors(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers cache layer's keys and values (a layer of attention that holds them)."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+        raise TypeError(f"a {type(layer).__name__} cache layer holds no keys and values")
+    return layer.keys, layer.values
+
+
 class TransformersLM:
     """What the transformers backends share: the model in eval mode, its output size, how
     its forward names the cache, its device, and the ids the cache holds."""
 
     setup_seconds = 0.0  # eager passes: no one-time setup (StaticCausalLM counts its graph captures)
-    chains = False  # a draft chain is a pass per token, driven from the host (StaticCausalLM graphs it)
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
-        self.model = model.eval()
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
+        self.model: PreTrainedModel = model.eval()
         self._vocab_size = vocab_size or _output_size(model)
         # transformers 5.x names the argument `cache`; 4.x called it `past_key_values`.
         params = inspect.signature(model.forward).parameters
@@ -48,13 +68,13 @@ class TransformersLM:
         self._supports_logits_to_keep = "logits_to_keep" in params
         self._device = next(model.parameters()).device
         # The dtype of the additive attention masks this backend builds.
-        self._mask_dtype = model.get_input_embeddings().weight.dtype
+        self._mask_dtype = _weight(model.get_input_embeddings()).dtype
         if not self._mask_dtype.is_floating_point:
             self._mask_dtype = torch.float32
         self._tokens: list[int] = []
         # Wall time spent inside forward(), for measuring the engine's own overhead.
         self.forward_seconds = 0.0
-        self._hidden_hook = None
+        self._hidden_hook: list[RemovableHandle] | None = None
         self._feature_layers: tuple[int, ...] | None = None
         self._hidden_parts: list[torch.Tensor] = []
 
@@ -71,12 +91,12 @@ class TransformersLM:
         if base is None or base is self.model:
             raise ValueError(f"{type(self.model).__name__} has no base model whose hidden states could be read")
         entering: dict[int, torch.Tensor] = {}
-        hooks = []
+        hooks: list[RemovableHandle] = []
         if layers is not None:
             decoder_layers = getattr(base, "layers", None)
             count = len(decoder_layers) if decoder_layers is not None else 0
             bad = [i for i in layers if not 0 <= i < count]
-            if not layers or bad:
+            if decoder_layers is None or not layers or bad:
                 raise ValueError(f"{type(self.model).__name__} has {count} decoder layers: no layer {bad or layers}")
             for i in sorted(set(layers)):
 
@@ -98,6 +118,14 @@ class TransformersLM:
         self._feature_layers = layers
 
     @property
+    def chains(self) -> bool:
+        """A draft chain is a pass per token, driven from the host (StaticCausalLM graphs it)."""
+        return False
+
+    def chain(self, logits: torch.Tensor, steps: int, picker: ChainPicker) -> Chain:
+        raise NotImplementedError(f"{type(self).__name__} runs no draft chains on the device (its `chains` is False)")
+
+    @property
     def last_hidden(self) -> torch.Tensor:
         if self._hidden_hook is None:
             raise RuntimeError("hidden states are not kept: call capture_hidden() first")
@@ -111,7 +139,7 @@ class TransformersLM:
         embedding = self.model.get_input_embeddings()
         if not _is_split():
             return embedding
-        return torch.nn.Embedding.from_pretrained(_whole(embedding.weight), freeze=True)
+        return torch.nn.Embedding.from_pretrained(_whole(_weight(embedding)), freeze=True)
 
     def output_rows(self) -> torch.Tensor:
         """The output layer's rows [vocab, hidden], whole (gathered where split, as above)."""
@@ -132,6 +160,16 @@ class TransformersLM:
     @property
     def max_length(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
+
+    def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
+        """A pass over the cache (each backend's own: `CausalLM.forward`)."""
+        raise NotImplementedError
+
+    def forward_tree(
+        self, token_ids: Sequence[int], positions: Sequence[int], visible: torch.Tensor, window_start: int
+    ) -> torch.Tensor:
+        """A tree pass over the cache (each backend's own: `CausalLM.forward_tree`)."""
+        raise NotImplementedError
 
     def rollback(self, length: int) -> None:
         if length < 0:
@@ -183,7 +221,7 @@ class HFCausalLM(TransformersLM):
     transformers 5.x): nothing is copied and nothing is prefilled again.
     """
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
         from transformers import DynamicCache
 
         super().__init__(model, vocab_size)
@@ -193,7 +231,7 @@ class HFCausalLM(TransformersLM):
     def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
         if not token_ids:
             raise ValueError("forward() needs at least one token")
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if not all_logits and self._supports_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         return self._pass(token_ids, kwargs, all_logits)
@@ -209,7 +247,7 @@ class HFCausalLM(TransformersLM):
         }
         return self._pass(token_ids, kwargs, all_logits=True)
 
-    def _pass(self, token_ids: Sequence[int], kwargs: dict, all_logits: bool) -> torch.Tensor:
+    def _pass(self, token_ids: Sequence[int], kwargs: dict[str, Any], all_logits: bool) -> torch.Tensor:
         started = time.perf_counter()
         self._hidden_parts = []
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._device)
@@ -241,5 +279,6 @@ class HFCausalLM(TransformersLM):
         source = torch.tensor([start + o for o in offsets], dtype=torch.long, device=self._device)
         end = start + len(offsets)
         for layer in self._cache.layers:
-            layer.keys[..., start:end, :] = layer.keys.index_select(-2, source)
-            layer.values[..., start:end, :] = layer.values.index_select(-2, source)
+            keys, values = cache_tensors(layer)
+            keys[..., start:end, :] = keys.index_select(-2, source)
+            values[..., start:end, :] = values.index_select(-2, source)

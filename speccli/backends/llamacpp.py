@@ -29,7 +29,7 @@ from typing import Collection, Iterator, Sequence
 import numpy as np
 import torch
 
-from speccli.backends.base import check_kept_offsets, check_tree_pass
+from speccli.backends.base import Chain, ChainPicker, check_kept_offsets, check_tree_pass
 
 INSTALL_HINT = 'install it: pip install "specgen[llamacpp]"   (builds llama.cpp from source; see README)'
 # Sequence ids a context accepts (llama.cpp allows up to 256): the leaves of one tree
@@ -181,7 +181,6 @@ class LlamaCppLM:
     """A llama.cpp context over loaded weights, at batch size 1 (see the module's doc)."""
 
     setup_seconds = 0.0  # no one-time setup inside passes
-    chains = False  # draft chains are driven from the host, a pass per token
 
     def __init__(
         self,
@@ -246,6 +245,14 @@ class LlamaCppLM:
     @property
     def max_length(self) -> int | None:
         return self._n_ctx
+
+    @property
+    def chains(self) -> bool:
+        """Draft chains are driven from the host, a pass per token."""
+        return False
+
+    def chain(self, logits: torch.Tensor, steps: int, picker: ChainPicker) -> Chain:
+        raise NotImplementedError("llama.cpp runs no draft chains on the device (its `chains` is False)")
 
     def forward(self, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
         if not token_ids:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence, TypeVar
 
 import torch
 
@@ -59,7 +59,13 @@ from speccli.backends.attention import WINDOW_SDPA, pack_mask, query_groups, use
 from speccli.backends.base import Chain, ChainPicker, check_tree_pass, pick_chain
 from speccli.backends.hf import TransformersLM
 
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+    from transformers import PreTrainedModel
+
 T = TypeVar("T")
+# A chain's picks on the device (`pick_chain`): tokens, the draft's probability of each, q or None.
+Picks = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 DEFAULT_CAPACITY = 4096
 # Verification feeds k + 1 tokens (calibration times up to 17); a tree or lookahead pass the
@@ -74,7 +80,7 @@ class StaticCacheUnsupported(ValueError):
     attention implementation that takes no 4-D mask); use HFCausalLM instead."""
 
 
-def static_cache_problem(model: torch.nn.Module) -> str | None:
+def static_cache_problem(model: PreTrainedModel) -> str | None:
     """Why `StaticCausalLM` cannot serve this model, or None when it can."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
@@ -101,7 +107,7 @@ class StaticCausalLM(TransformersLM):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         vocab_size: int | None = None,
         *,
         capacity: int | None = None,
@@ -136,14 +142,14 @@ class StaticCausalLM(TransformersLM):
         # Per (fed size, tree pass, window): the graph, its logits buffer, and its hidden-states
         # buffer (None when it was captured before hidden states were asked for).
         self._graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
-        self._pool = None
+        self._pool: _POOL_HANDLE | None = None
         self._ids_buffer: torch.Tensor | None = None
         self._positions_buffer: torch.Tensor | None = None
         self._mask_buffer: torch.Tensor | None = None
         # Draft chains (`chain`): a graph per (length, window, picker), and their inputs: the
         # first token's logits and the chain's first position.
         self._device_chains = device_chains
-        self._chain_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self._chain_graphs: dict[tuple[int, int, Hashable], tuple[torch.cuda.CUDAGraph, Picks]] = {}
         self._chain_logits: torch.Tensor | None = None
         self._chain_start: torch.Tensor | None = None
 
@@ -203,7 +209,7 @@ class StaticCausalLM(TransformersLM):
         width = self.window(start + steps - 1)
         try:
             with torch.inference_mode():
-                if self._chain_logits is None or self._chain_logits.shape != logits.shape:
+                if self._chain_logits is None or self._chain_start is None or self._chain_logits.shape != logits.shape:
                     self._chain_logits = torch.zeros(logits.shape, dtype=torch.float32, device=self._device)
                     self._chain_start = torch.zeros((1, 1), dtype=torch.long, device=self._device)
                     self._chain_graphs.clear()
@@ -369,7 +375,7 @@ class StaticCausalLM(TransformersLM):
         `width` slots (`mask`, [1, 1, n, width], or a causal one); logits [1, n or 1, V].
         Compiled (with `compile`) for up to `max_fed` tokens; prompts' chunks run eagerly."""
         mask = self._mask(positions, width) if mask is None else mask
-        kwargs = {
+        kwargs: dict[str, Any] = {
             self._cache_kwarg: cache,
             "use_cache": True,
             "position_ids": positions,
@@ -385,7 +391,7 @@ class StaticCausalLM(TransformersLM):
                 self.compile_enabled = False
         return self.model(input_ids=ids, **kwargs).logits
 
-    def _compiled_pass(self, ids: torch.Tensor, kwargs: dict, all_logits: bool) -> torch.Tensor:
+    def _compiled_pass(self, ids: torch.Tensor, kwargs: dict[str, Any], all_logits: bool) -> torch.Tensor:
         """The pass through the compiled model. It always scores every token fed (a handful:
         the output layer's weights are read once either way), so that `logits_to_keep` does
         not double the compiles; a compile outside a graph capture (on the CPU) counts as
@@ -410,16 +416,16 @@ class StaticCausalLM(TransformersLM):
             self._compiled = torch.compile(self.model, dynamic=None, fullgraph=False)
         return self._compiled
 
-    def _chain_passes(
-        self, steps: int, width: int, picker: ChainPicker
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _chain_passes(self, steps: int, width: int, picker: ChainPicker) -> Picks:
         """A chain's picks and its steps - 1 one-token passes, on the device only (`pick_chain`)."""
+        logits, first = self._chain_logits, self._chain_start
+        assert logits is not None and first is not None, "chain() fills the chain's inputs first"
 
         def feed(token: torch.Tensor, index: int) -> torch.Tensor:
-            positions = self._chain_start + index
+            positions = first + index
             return self._run(self._cache, token.view(1, 1), positions, all_logits=False, width=width)[0, -1].float()
 
-        return pick_chain(self._chain_logits, steps, picker, feed)
+        return pick_chain(logits, steps, picker, feed)
 
     def _eager_chunks(self, token_ids: list[int], start: int, all_logits: bool) -> torch.Tensor:
         rows: list[torch.Tensor] = []
@@ -458,24 +464,28 @@ class StaticCausalLM(TransformersLM):
         """Replay the graph of this fed size and window (a chain's, or with `mask` a tree's),
         captured on first use."""
         n = len(token_ids)
-        if self._ids_buffer is None:
-            self._ids_buffer = torch.zeros((1, self.max_fed), dtype=torch.long, device=self._device)
-            self._positions_buffer = torch.zeros((1, self.max_fed), dtype=torch.long, device=self._device)
+        ids, where = self._ids_buffer, self._positions_buffer
+        if ids is None or where is None:
+            ids = self._ids_buffer = torch.zeros((1, self.max_fed), dtype=torch.long, device=self._device)
+            where = self._positions_buffer = torch.zeros((1, self.max_fed), dtype=torch.long, device=self._device)
         # One host-to-device copy of ids and positions together.
         host = torch.tensor([token_ids, positions], dtype=torch.long)
         staged = host.to(self._device, non_blocking=True)
-        self._ids_buffer[:, :n].copy_(staged[0:1])
-        self._positions_buffer[:, :n].copy_(staged[1:2])
+        fed_ids, fed_positions = ids[:, :n], where[:, :n]
+        fed_ids.copy_(staged[0:1])
+        fed_positions.copy_(staged[1:2])
+        fed_mask = None
         if mask is not None:
             if self._mask_buffer is None:
                 self._mask_buffer = torch.zeros(
                     (1, 1, self.max_fed, self._capacity), dtype=self._mask_dtype, device=self._device
                 )
-            self._mask_buffer[:, :, :n, :width].copy_(mask)
+            fed_mask = self._mask_buffer[:, :, :n, :width]
+            fed_mask.copy_(mask)
         key = (n, mask is not None, width)
         captured = self._graphs.get(key)
         if captured is None:
-            captured = self._captured_once(lambda: self._capture(n, start, width, tree=mask is not None), start)
+            captured = self._captured_once(lambda: self._capture(fed_ids, fed_positions, start, width, fed_mask), start)
             if captured is None:  # the pass itself, eagerly: a cost of the step, not setup
                 if mask is not None:
                     return self._eager_tree(token_ids, positions, mask)
@@ -487,9 +497,7 @@ class StaticCausalLM(TransformersLM):
         self._hidden_parts = [] if hidden is None else [hidden.clone()]
         return output[0].to(torch.float32, copy=True)
 
-    def _replay_chain(
-        self, steps: int, width: int, picker: ChainPicker, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _replay_chain(self, steps: int, width: int, picker: ChainPicker, start: int) -> Picks:
         """Replay the chain's graph (captured on first use); its outputs copied out."""
         key = (steps, width, picker.key)
         captured = self._chain_graphs.get(key)
@@ -500,16 +508,14 @@ class StaticCausalLM(TransformersLM):
         graph, outputs = captured
         with torch.cuda.device(self._device):
             graph.replay()
-        tokens, confidence, probs = (None if t is None else t.clone() for t in outputs)
-        return tokens, confidence, probs
+        tokens, confidence, probs = outputs
+        return tokens.clone(), confidence.clone(), None if probs is None else probs.clone()
 
     def _capture(
-        self, n: int, start: int, width: int, tree: bool = False
+        self, ids: torch.Tensor, positions: torch.Tensor, start: int, width: int, mask: torch.Tensor | None
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
-        """Capture one pass of n tokens (see `_recorded`), reading the static input buffers."""
-        ids = self._ids_buffer[:, :n]
-        positions = self._positions_buffer[:, :n]
-        mask = self._mask_buffer[:, :, :n, :width] if tree else None
+        """Capture one pass of the tokens in `ids` (see `_recorded`), reading these views of the
+        static input buffers: ids and positions [1, n], a tree pass's mask [1, 1, n, width]."""
 
         def one_pass() -> torch.Tensor:
             self._hidden_parts = []
@@ -518,12 +524,12 @@ class StaticCausalLM(TransformersLM):
         graph, output = self._recorded(one_pass, start)
         # The hook saw the graph's own hidden-states tensor: replays refill it in place.
         hidden = self._hidden_parts[-1] if self._hidden_parts else None
-        self._graphs[(n, tree, width)] = (graph, output, hidden)
+        self._graphs[(ids.shape[1], mask is not None, width)] = (graph, output, hidden)
         return graph, output, hidden
 
     def _capture_chain(
-        self, key: tuple, steps: int, width: int, picker: ChainPicker, start: int
-    ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+        self, key: tuple[int, int, Hashable], steps: int, width: int, picker: ChainPicker, start: int
+    ) -> tuple[torch.cuda.CUDAGraph, Picks]:
         """Capture a whole chain, as `_capture` does one pass."""
         graph, outputs = self._recorded(lambda: self._chain_passes(steps, width, picker), start)
         self._chain_graphs[key] = (graph, outputs)
