@@ -135,18 +135,18 @@ def choose_draft(target: str, cuda: bool = False) -> DraftChoice:
     """What `--draft auto` takes for `target` (see the module's docstring); on CUDA a
     registered published head comes first."""
     alias = registered(target)
+    if alias is None:  # and so no registered heads either
+        return DraftChoice(
+            PROMPT_LOOKUP,
+            f"{target} is not in specgen's registry, so no draft model is known to share"
+            " its tokenizer: prompt lookup (give --draft MODEL to use one)",
+        )
     heads = heads_for(target) if cuda else []
     if heads:
         return DraftChoice(
             heads[0].draft,
             f"the registered {LAYOUT_NAMES[heads[0].layout]} head of {alias.name},"
             " trained by its publisher on chat data",
-        )
-    if alias is None:
-        return DraftChoice(
-            PROMPT_LOOKUP,
-            f"{target} is not in specgen's registry, so no draft model is known to share"
-            " its tokenizer: prompt lookup (give --draft MODEL to use one)",
         )
     candidates = draft_models_for(alias)
     if not candidates:
@@ -180,6 +180,7 @@ def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
     options: list[DraftOption] = []
     alias = registered(target)
     for head in heads_for(target):
+        assert alias is not None  # heads_for finds heads only for a registered target
         acceptance = f"published acceptance {head.acceptance}" if head.acceptance else "no published acceptance quoted"
         if head.layout == "medusa":
             size = "a residual block and an output layer per guessed position"
@@ -194,17 +195,18 @@ def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
                 head.draft == chosen_cuda,
             )
         )
-    for model in draft_models_for(alias) if alias is not None else []:
-        how = "same family" if model.family == alias.family else "same tokenizer"
-        options.append(
-            DraftOption(
-                model.name,
-                "model",
-                f"{model.description}, {model.params} ({how})",
-                model.name == chosen,
-                model.name == chosen_cuda,
+    if alias is not None:
+        for model in draft_models_for(alias):
+            how = "same family" if model.family == alias.family else "same tokenizer"
+            options.append(
+                DraftOption(
+                    model.name,
+                    "model",
+                    f"{model.description}, {model.params} ({how})",
+                    model.name == chosen,
+                    model.name == chosen_cuda,
+                )
             )
-        )
     cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
     for kind in ("medusa", "eagle"):
         path = default_heads_path(cache, alias.name if alias else target, kind)

@@ -14,7 +14,7 @@ caller parses them the slow way.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from speccli.models.gguf_file import GgufHeader
 
@@ -37,9 +37,11 @@ def config_dict(header: GgufHeader) -> dict[str, Any] | None:
     config: dict[str, Any] = {"tie_word_embeddings": all(t.name != "output.weight" for t in header.tensors)}
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture, {}).items():
         config.setdefault(key, value)
+    # {section: {key: renamed key, or -1 for one dropped}}: inferred there as {str: object}
+    renames = cast("dict[str, dict[str, Any]]", GGUF_CONFIG_MAPPING)
     for key, value in header.metadata.items():
         prefix, _, rest = key.partition(".")
-        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        renamed = renames.get(prefix, {}).get(rest)
         if renamed is None or renamed == -1:
             continue
         if key in header.arrays:

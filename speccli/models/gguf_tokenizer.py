@@ -62,14 +62,14 @@ def load_gguf_tokenizer(resolved: ResolvedModel, cache_dir: Path, say: Progress)
     from transformers import AutoTokenizer
 
     kept = _tokenizer_cache_folder(resolved, cache_dir)
-    folder = kept[0] if kept is not None else None
-    if kept is not None and (folder / "tokenizer_config.json").is_file():
+    folder, template = kept if kept is not None else (None, None)
+    if folder is not None and (folder / "tokenizer_config.json").is_file():
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         except Exception:
             shutil.rmtree(folder, ignore_errors=True)
         else:
-            tokenizer.chat_template = kept[1]
+            tokenizer.chat_template = template
             return tokenizer
     say(f"converting the tokenizer in {resolved.gguf_file} (once; it is kept in {cache_dir / 'tokenizers'})")
     from speccli.models.gguf_weights import share_metadata_parse

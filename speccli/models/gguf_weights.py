@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import gguf
 import numpy as np
@@ -28,6 +28,9 @@ import torch
 
 from speccli.models.gguf_config import config_dict
 from speccli.models.gguf_file import GgufHeader, GgufTensor, read_header
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 TensorProgress = Callable[[int, int], None]  # (tensors done, tensors in all)
 
@@ -91,14 +94,14 @@ def dequantize(data: mmap.mmap, tensor: GgufTensor, torch_types: set[int]) -> np
             values = torch_dequantize(raw, tensor.ggml_type, torch.float32)
         return values.reshape(tensor.shape).numpy()
     if tensor.ggml_type in _FLOAT_TYPES:
-        values = np.frombuffer(
+        floats = np.frombuffer(
             data, dtype=_FLOAT_TYPES[tensor.ggml_type], count=math.prod(tensor.shape), offset=tensor.start
         )
-        return values.reshape(tensor.shape).astype(np.float32)  # a copy, out of the mapping
+        return floats.reshape(tensor.shape).astype(np.float32)  # a copy, out of the mapping
     block_elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.ggml_type)]
     raw_shape = (*tensor.shape[:-1], tensor.shape[-1] // block_elements * block_bytes)
-    raw = np.frombuffer(data, dtype=np.uint8, count=tensor.nbytes, offset=tensor.start).reshape(raw_shape)
-    return gguf.dequantize(raw, gguf.GGMLQuantizationType(tensor.ggml_type))
+    blocks = np.frombuffer(data, dtype=np.uint8, count=tensor.nbytes, offset=tensor.start).reshape(raw_shape)
+    return gguf.dequantize(blocks, gguf.GGMLQuantizationType(tensor.ggml_type))
 
 
 def state_dict(
@@ -254,7 +257,9 @@ def load_causal_lm(
     config = gguf_config(path)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         return None
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    # transformers types this mapping's values as the tokenizer mapping's (slow, fast) pairs;
+    # the causal-LM mapping gives the model class itself.
+    model_class = cast("type[PreTrainedModel]", MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
     with torch.device("meta"):
         skeleton = model_class(config)  # names and shapes only: no memory, no initialisation
     tensors = state_dict(header, skeleton, dtype, progress)

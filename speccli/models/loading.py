@@ -141,7 +141,7 @@ class LoadedModel:
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         if tokenizer_eos is not None:
             ids.append(int(tokenizer_eos))
-        added = getattr(self.tokenizer, "get_added_vocab", dict)()
+        added: dict[str, int] = getattr(self.tokenizer, "get_added_vocab", dict)()
         ids.extend(int(added[text]) for text in END_OF_GENERATION_TOKENS if text in added)
         return list(dict.fromkeys(ids))
 
@@ -357,7 +357,9 @@ def _model_config(resolved: ResolvedModel, trust_remote_code: bool) -> Any:
     from speccli.models.gguf_weights import gguf_config
 
     if resolved.is_gguf:
-        return gguf_config(resolved.gguf_path)
+        path = resolved.gguf_path
+        assert path is not None  # a GGUF model has its file
+        return gguf_config(path)
     return _from_pretrained(AutoConfig.from_pretrained, resolved, {"trust_remote_code": trust_remote_code})
 
 
@@ -399,11 +401,14 @@ def load_weights(pending: PendingModel, progress: Progress | None = None) -> Loa
         return _load_llama_cpp(pending, say, started)
     quiet_libraries()
     cache = pending.cache_dir or offline.default_cache_dir()
+    gguf_path = resolved.gguf_path
     keeping = resolved.is_gguf and config.keep_converted and not converted.disabled_by_environment()
-    conversion = converted.identity(resolved.gguf_path, dtype_name(dtype)) if keeping else None
+    conversion = converted.identity(gguf_path, dtype_name(dtype)) if keeping and gguf_path is not None else None
     keep: Callable[[], None] = lambda: None  # noqa: E731  (starts writing the conversion, once)
     kept = converted.lookup(cache, conversion, say) if conversion is not None else None
-    model = None
+    # A transformers PreTrainedModel, typed as the nn.Module it is: its `to` is wrapped by a
+    # decorator that mypy does not bind as a method, and int8 quantization returns a Module.
+    model: torch.nn.Module | None = None
     if kept is not None:
         say(f"loading {name}: {dtype_name(dtype)} weights converted earlier from {resolved.gguf_file} ({kept})")
         try:
@@ -529,6 +534,7 @@ def _load_llama_cpp(pending: PendingModel, say: Progress, started: float) -> Loa
     from speccli.models.llamacpp_check import extra_buffers_verdict
 
     path = pending.resolved.gguf_path
+    assert path is not None  # choose_backend takes llama.cpp for GGUF files only
     say(f"loading {pending.name}: {pending.resolved.gguf_file} through llama.cpp on cpu (memory-mapped)")
     try:
         extra_buffers = extra_buffers_verdict(path, None, say).extra_buffers

@@ -138,11 +138,18 @@ class TwoRowLinear(torch.nn.Linear):
         return out.reshape(*input.shape[:-1], self.out_features)
 
 
+def _weight_shape(module: torch.nn.Linear) -> tuple[int, int]:
+    """The (out_features, in_features) shape of a linear layer's 2-D weight."""
+    rows, cols = module.weight.shape
+    return rows, cols
+
+
 def _bfloat16_cpu_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return [
         module
         for module in model.modules()
-        if type(module) in (torch.nn.Linear, TwoRowLinear)
+        if isinstance(module, torch.nn.Linear)
+        and type(module) in (torch.nn.Linear, TwoRowLinear)
         and module.weight.dtype == torch.bfloat16
         and module.weight.device.type == "cpu"
     ]
@@ -210,15 +217,15 @@ def two_rows_pay(model: torch.nn.Module, history_dir: Path | None = None, machin
         return False
     by_shape: dict[tuple[int, int], int] = {}
     for module in layers:
-        shape = tuple(module.weight.shape)
+        shape = _weight_shape(module)
         by_shape[shape] = by_shape.get(shape, 0) + module.weight.numel()
-    shape = max(by_shape, key=by_shape.get)
+    shape = max(by_shape, key=lambda judged: by_shape[judged])
     if shape[0] * shape[1] < MIN_JUDGED_WEIGHT:
         return False
     history = None if history_dir is None else row_pair_history(history_dir, machine, shape)
     ratios = [] if history is None else _read_numbers(history, "row_pair_ratios")
     if len(ratios) < REMEMBERED_RATIOS:  # decided once the history is full: later loads time nothing
-        weight = next(module.weight for module in layers if tuple(module.weight.shape) == shape)
+        weight = next(module.weight for module in layers if _weight_shape(module) == shape)
         ratios = (ratios + [row_pair_ratio(weight.detach())])[-REMEMBERED_RATIOS:]
         if history is not None:
             write_json(history, {"row_pair_ratios": ratios})
@@ -332,7 +339,7 @@ def choose_stock_rows(
     layers = [module for module in model.modules() if type(module) is OneDnnLinear]
     weights: dict[tuple[int, int], list[torch.Tensor]] = {}
     for module in layers:
-        weights.setdefault(tuple(module.weight.shape), []).append(module.weight.detach())
+        weights.setdefault(_weight_shape(module), []).append(module.weight.detach())
     judged = {shape: same for shape, same in weights.items() if shape[0] * shape[1] >= MIN_TIMED_FLOAT32_WEIGHT}
     chosen: dict[tuple[int, int], int] = {}
     remembered: dict[tuple[int, int], list[int]] = {}
@@ -358,7 +365,7 @@ def choose_stock_rows(
             rows = statistics.median_low(found)
         chosen[shape] = rows
     for module in layers:
-        module.stock_below = chosen.get(tuple(module.weight.shape), 1)
+        module.stock_below = chosen.get(_weight_shape(module), 1)
     return chosen
 
 

@@ -18,10 +18,14 @@ CUDA graphs' pool.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from speccli.models.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 GB = 1e9
 KV_TOKENS = 4096
@@ -61,7 +65,7 @@ class MemoryNeed:
         return self.weights + self.kv_cache + self.working
 
 
-def meta_model(config) -> torch.nn.Module:
+def meta_model(config) -> PreTrainedModel:
     """The architecture `config` describes, on the meta device (no memory, no weights)."""
     from transformers import AutoModelForCausalLM
 
@@ -70,7 +74,7 @@ def meta_model(config) -> torch.nn.Module:
 
 
 def memory_need(
-    model: torch.nn.Module, quant: str, dtype: torch.dtype, kv_tokens: int = KV_TOKENS, tp: int = 1
+    model: PreTrainedModel, quant: str, dtype: torch.dtype, kv_tokens: int = KV_TOKENS, tp: int = 1
 ) -> MemoryNeed:
     """What `model` (a meta model will do) needs in `quant` and `dtype`, on each of `tp` GPUs
     under tensor parallelism (matrices and key/value heads split between them, vectors such
@@ -165,25 +169,26 @@ class PairPlan:
         return self.first_gpu <= self.gpu_bytes and (self.gpus == 0 or self.tp <= self.gpus)
 
     def verdict(self) -> str:
-        if self.fits is None:
+        gpu_bytes = self.gpu_bytes
+        if gpu_bytes is None:  # self.fits is None
             return "no GPU memory known here: give --gpu-memory GB to check a card size"
         if self.fits:
-            return f"fits: {self.first_gpu / GB:.1f} of {self.gpu_bytes / GB:.1f} GB on the first GPU"
+            return f"fits: {self.first_gpu / GB:.1f} of {gpu_bytes / GB:.1f} GB on the first GPU"
         head = f"{self.target} in {self.quant} needs {self.target_weights / GB:.0f} GB of weights"
         if self.tp > 1:
             head += f" ({self.first_gpu / GB:.1f} GB on the first of {self.tp} GPUs, draft included)"
         elif self.draft_need is not None:
             head += f" ({self.first_gpu / GB:.1f} GB with the draft)"
         if not self.suggestions:
-            return f"{head}: nothing offered here fits {self.gpu_bytes / GB:.0f} GB GPUs"
+            return f"{head}: nothing offered here fits {gpu_bytes / GB:.0f} GB GPUs"
         return f"{head}: " + ", or ".join(self.suggestions)
 
 
 def plan_pair(
     target_name: str,
-    target_model: torch.nn.Module,
+    target_model: PreTrainedModel,
     draft_name: str | None,
-    draft_model: torch.nn.Module | None,
+    draft_model: PreTrainedModel | None,
     quant: str,
     draft_quant: str,
     dtype: torch.dtype,
@@ -242,6 +247,7 @@ def weight_sizes(alias_name: str, cache_dir) -> dict[str, int]:
     from speccli.models.shapes import shape_config
 
     config = _local_config(alias_name, cache_dir) or shape_config(ALIASES[alias_name].hub_id)
+    assert config is not None, f"no shapes registered for {alias_name}"  # every alias has them (tests/test_shapes.py)
     one, two = (_with_layers(config, layers) for layers in (1, 2))
     # The layers are all alike: the weights of one and of two give the rest. Building each
     # alias's whole meta model took five seconds of every `specgen models` (a 70B's, 0.13 s).
@@ -252,7 +258,7 @@ def weight_sizes(alias_name: str, cache_dir) -> dict[str, int]:
     return sizes
 
 
-def _with_layers(config, layers: int) -> torch.nn.Module:
+def _with_layers(config, layers: int) -> PreTrainedModel:
     from copy import deepcopy
 
     shallow = deepcopy(config)
@@ -270,7 +276,7 @@ def _local_config(alias_name: str, cache_dir):
     alias = ALIASES[alias_name]
     package = offline.OFFLINE_MODELS.get(alias.offline) if alias.offline else None
     parts = offline.installed_parts(package) if package is not None else None
-    if parts is not None:
+    if package is not None and parts is not None:
         gguf = parts[0] if package.single_part else Path(cache_dir) / package.filename
         if gguf.is_file():
             return gguf_config(gguf)

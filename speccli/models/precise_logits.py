@@ -21,7 +21,12 @@ scripts/precise_logits_ab.py wrap and unwrap it to measure it again.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # A true float32 maximum lies within an ulp of the rounded maximum; more tokens than this
 # within one ulp of each other would leave some unrefined (they keep the dtype's precision).
@@ -64,7 +69,7 @@ class PreciseLogits(torch.nn.Module):
         return coarse.float().scatter_(-1, top, exact)
 
 
-def set_precise_logits(model: torch.nn.Module, enabled: bool = True) -> bool:
+def set_precise_logits(model: PreTrainedModel, enabled: bool = True) -> bool:
     """Wrap `model`'s output layer in PreciseLogits when it is a plain Linear computing in
     bfloat16 or float16 (not a quantized one), or (enabled=False) unwrap it. Returns whether
     the output layer is wrapped now."""

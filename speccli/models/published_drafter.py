@@ -5,7 +5,7 @@ modules, the draft vocabulary from `d2t`, the features the head reads."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -48,25 +48,28 @@ def published_drafter(head: PublishedHead, target: FeatureLM, config: Any, dtype
     already checked by `check_head`. The target's embedding (and for EAGLE-1/2 its output
     rows) come from the backend, whole even where the target is split over processes."""
     embeddings = target.input_embedding()
+    weight = cast(torch.Tensor, embeddings.weight)  # an embedding's weight (nn.Module's attributes are untyped)
     if dtype is None:
-        dtype = embeddings.weight.dtype if embeddings.weight.dtype.is_floating_point else torch.float32
-    device = embeddings.weight.device
+        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+    device = weight.device
     tensors = head.tensors()
     logits_width = target.vocab_size  # the target's logits: its output rows (a padded vocabulary included)
     if head.layout == "medusa":
-        module = medusa_module(tensors, head.source)
-        vocab = DraftVocab(torch.arange(module.out[0].out_features), logits_width)
-        return MedusaDrafter(module.to(device), vocab, dtype)
+        medusa = medusa_module(tensors, head.source)
+        first_out = medusa.out[0]
+        assert isinstance(first_out, nn.Linear)  # MedusaHeads' output layers are Linear
+        vocab = DraftVocab(torch.arange(first_out.out_features), logits_width)
+        return MedusaDrafter(medusa.to(device), vocab, dtype)
     if head.layout == "eagle":
-        module = eagle_module(tensors, head, config)
+        eagle = eagle_module(tensors, head, config)
         vocab = DraftVocab(torch.arange(logits_width), logits_width)
-        output = OutputRows(target.output_rows())
-        return EagleDrafter(module.to(device), vocab, embeddings, output, DEFAULT_STOP_CONFIDENCE, dtype)
-    module, vocab = eagle3_module(tensors, head, logits_width)
-    module.to(device)
-    output = nn.Sequential(module.norm, module.lm_head)
+        rows = OutputRows(target.output_rows())
+        return EagleDrafter(eagle.to(device), vocab, embeddings, rows, DEFAULT_STOP_CONFIDENCE, dtype)
+    eagle3, vocab = eagle3_module(tensors, head, logits_width)
+    eagle3.to(device)
+    output = nn.Sequential(eagle3.norm, eagle3.lm_head)
     layers = head.feature_layers(config.num_hidden_layers)
-    return EagleDrafter(module, vocab, embeddings, output, DEFAULT_STOP_CONFIDENCE, dtype, feature_layers=layers)
+    return EagleDrafter(eagle3, vocab, embeddings, output, DEFAULT_STOP_CONFIDENCE, dtype, feature_layers=layers)
 
 
 def _load(module: nn.Module, weights: dict[str, torch.Tensor], source: str, ignore: tuple[str, ...] = ()) -> None:
