@@ -232,8 +232,9 @@ def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
 
 def _learned_prior_from(data: dict[str, Any]) -> AcceptancePrior | None:
     prior = _prior_from(data)
-    by_match = tuple((int(match), _prior_from(entry)) for match, entry in data.get("by_match", {}).items())
-    if prior is None or any(learned is None for _, learned in by_match):
+    read = [(int(match), _prior_from(entry)) for match, entry in data.get("by_match", {}).items()]
+    by_match = tuple((match, learned) for match, learned in read if learned is not None)
+    if prior is None or len(by_match) < len(read):
         return None
     opening = _prior_from(data["opening"]) if "opening" in data else None
     if "opening" in data and opening is None:
@@ -349,10 +350,13 @@ def calibrate(
     stored = None if refresh else _read(path, identity)
     costs = stored.costs if stored is not None else None
     # A draft model's token is timed apart from the target's passes, and cached apart.
-    draft_model = decoder.drafter.draft_model if decoder.drafter is not None and pipeline.draft else None
-    drafted = draft_identity(pipeline.draft) if draft_model is not None else None
+    draft = pipeline.draft
+    draft_model = decoder.drafter.draft_model if decoder.drafter is not None and draft else None
+    drafted = draft_identity(draft) if draft_model is not None and draft is not None else None
     draft_path = draft_cost_path(drafted, cache_dir) if drafted is not None else None
-    draft_seconds = None if draft_path is None or refresh else _read_draft_seconds(draft_path, drafted)
+    draft_seconds = (
+        None if draft_path is None or drafted is None or refresh else _read_draft_seconds(draft_path, drafted)
+    )
     time_draft = draft_model is not None and draft_seconds is None
     started = time.perf_counter() if costs is None or time_draft else None
     with_draft = " and one draft token" if time_draft else ""
@@ -379,10 +383,12 @@ def calibrate(
         costs = CostCurve(measured.verify_seconds, None)
         _write(path, identity, costs, samples)
         draft_seconds = measured.draft_seconds if time_draft else draft_seconds
-    elif time_draft:
+    elif draft_model is not None and time_draft:
         say("calibrating: timing one draft token (the target's passes are calibrated already)")
         draft_seconds = measure_draft_seconds(draft_model)
     if time_draft:
+        # A draft model timed: it has an identity and a path, and measure_costs timed its token.
+        assert draft_path is not None and drafted is not None and draft_seconds is not None
         _write_draft_seconds(draft_path, drafted, draft_seconds)
     costs = CostCurve(costs.verify_seconds, draft_seconds)
     if started is not None:

@@ -276,11 +276,15 @@ class Answer(Iterator[Event]):
     def __iter__(self) -> Answer:
         return self
 
+    def _generator(self) -> abc.Generator[Event, None, None]:
+        assert self.events is not None, "ChatSession._answer gives an answer its events"
+        return self.events
+
     def __next__(self) -> Event:
-        return next(self.events)
+        return next(self._generator())
 
     def close(self) -> list[TokenEvent]:
-        self.events.close()
+        self._generator().close()
         return self.tail
 
 

@@ -119,8 +119,10 @@ class CostCurve:
         return verify + k * (self.draft_seconds or 0.0)
 
     def filled(self, up_to: int) -> CostCurve:
-        """This curve with every size 1..up_to priced (optimistically where unmeasured)."""
-        return CostCurve({fed: self.optimistic(fed) for fed in range(1, up_to + 1)}, self.draft_seconds)
+        """This curve with every size 1..up_to priced (optimistically where unmeasured); a
+        curve with nothing measured has nothing to price them by (none is priced)."""
+        priced = {fed: self.optimistic(fed) for fed in range(1, up_to + 1)}
+        return CostCurve({fed: seconds for fed, seconds in priced.items() if seconds is not None}, self.draft_seconds)
 
     def modelled_seconds(self, passes: dict[int, int]) -> float:
         """What passes of these sizes (tokens fed: count) cost by this curve: a timing free

@@ -43,6 +43,7 @@ class BenchPrompt:
         when `chat`), with `system` first when the messages hold no system message."""
         if self.messages is not None:
             return Prompt.conversation(self.messages, system)
+        assert self.text is not None  # __post_init__: exactly one of text and messages
         return Prompt.of(self.text, chat, system)
 
     def as_dict(self) -> dict:

@@ -143,15 +143,17 @@ class BenchRow:
     @property
     def speedup(self) -> float | None:
         """Speculative tokens/s over plain tokens/s."""
-        if not self.completed:
+        plain, spec = self.plain, self.spec
+        if plain is None or spec is None:  # not completed
             return None
-        return speedup(self.spec.tokens_per_second, self.plain.tokens_per_second)
+        return speedup(spec.tokens_per_second, plain.tokens_per_second)
 
     @property
     def end_to_end_speedup(self) -> float | None:
-        if not self.completed:
+        plain, spec = self.plain, self.spec
+        if plain is None or spec is None:  # not completed
             return None
-        return speedup(self.spec.end_to_end_tokens_per_second, self.plain.end_to_end_tokens_per_second)
+        return speedup(spec.end_to_end_tokens_per_second, plain.end_to_end_tokens_per_second)
 
     def as_dict(self, tokens: bool = False) -> dict:
         return {
@@ -236,6 +238,7 @@ class BenchSummary:
         cls, rows: Sequence[BenchRow], prompt: str | None, category: str | None, k: int | str | None
     ) -> BenchSummary:
         done = [r for r in rows if r.completed]
+        runs = [(r.plain, r.spec) for r in done if r.plain is not None and r.spec is not None]  # all of done
         speedups = [r.speedup for r in done if r.speedup is not None]
         return cls(
             prompt=prompt,
@@ -248,8 +251,8 @@ class BenchSummary:
             near_ties=sum(r.near_tie for r in rows),
             mismatches=sum(r.identical is False and not r.near_tie for r in rows),
             speedup=Spread.of(speedups),
-            plain=GenerationStats.pooled(r.plain.stats for r in done),
-            spec=GenerationStats.pooled(r.spec.stats for r in done),
+            plain=GenerationStats.pooled(plain.stats for plain, _ in runs),
+            spec=GenerationStats.pooled(spec.stats for _, spec in runs),
         )
 
     @property
@@ -335,7 +338,7 @@ class BenchResults:
     @property
     def by_prompt(self) -> list[BenchSummary]:
         """One summary per (prompt, k), in the order the rows ran."""
-        groups: dict[tuple[str, int], list[BenchRow]] = {}
+        groups: dict[tuple[str, int | str], list[BenchRow]] = {}
         for row in self.rows:
             groups.setdefault((row.prompt, row.k), []).append(row)
         return [BenchSummary.of(rows, p, rows[0].category, k) for (p, k), rows in groups.items()]

@@ -102,7 +102,7 @@ class BenchRunner:
     ) -> None:
         self.generator = generator
         self.dtype = dtype
-        self.make_drafter = make_drafter or (lambda: generator.drafter)
+        self.make_drafter: Callable[[], Drafter | None] = make_drafter or (lambda: generator.drafter)
         self.settings = settings
         self.progress = progress or (lambda _: None)
         self.metadata = {**environment(generator.target), **(metadata or {})}
@@ -144,7 +144,7 @@ class BenchRunner:
         return self.results()
 
     def run_row(
-        self, prompt: BenchPrompt, prompt_ids: Sequence[int], k: int, repeat: int, plain_first: bool = True
+        self, prompt: BenchPrompt, prompt_ids: Sequence[int], k: int | str, repeat: int, plain_first: bool = True
     ) -> BenchRow:
         """One side-by-side pair."""
         s = self.settings
@@ -160,14 +160,17 @@ class BenchRunner:
                 row.error = f"{kind} decoding failed: {type(error).__name__}: {error}"
                 return row
             setattr(row, method, result)
+        plain, spec = row.plain, row.spec
+        assert plain is not None and spec is not None  # both ran: a failure returned above
         if sampling.greedy:
-            position = first_difference(row.plain.token_ids, row.spec.token_ids)
+            position = first_difference(plain.token_ids, spec.token_ids)
             row.identical = position is None
             if position is not None:
-                row.divergence = self.divergence(prompt_ids, row.plain, row.spec, position)
+                divergence = self.divergence(prompt_ids, plain, spec, position)
+                row.divergence = divergence
                 row.mismatch_position = position
-                if not row.divergence.near_tie:
-                    row.error = row.divergence.describe()
+                if not divergence.near_tie:
+                    row.error = divergence.describe()
         return row
 
     def divergence(self, prompt_ids: Sequence[int], plain: RunResult, spec: RunResult, position: int) -> Divergence:

@@ -354,7 +354,7 @@ def with_load_options(command: Callable[..., None]) -> Callable[..., None]:
             return _tensor_parallel(command, kwargs, load)
         return command(**kwargs, load=load)
 
-    with_load.__signature__ = signature.replace(parameters=[*own, *shared])
+    setattr(with_load, "__signature__", signature.replace(parameters=[*own, *shared]))  # what Typer reads
     return with_load
 
 

@@ -96,6 +96,7 @@ def generate(
     Exit codes: 0 done, 1 runtime failure, 2 bad usage or input, 130 interrupted, 141 stdout's reader closed it
     (`| head`).
     """
+    assert load is not None  # with_load_options (speccli.cli.app) passes it
     if server is not None:
         run_guarded(
             lambda: _generate_remote(
@@ -271,6 +272,7 @@ def chat(
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
+    assert load is not None  # with_load_options (speccli.cli.app) passes it
     options = ModelOptions(target or default_target(), draft or default_draft(), **load)
 
     def body() -> int:
@@ -364,6 +366,7 @@ def bench(
     identical token for token, and any difference is a mismatch. The report goes to stdout,
     progress to stderr.
     """
+    assert load is not None  # with_load_options (speccli.cli.app) passes it
     options = ModelOptions(target or default_target(), draft or default_draft(), **load)
 
     def body() -> int:
@@ -478,6 +481,7 @@ def serve(
     `specgen generate --server URL` sends its request here. SIGINT or SIGTERM stops it
     (exit 0). See docs/serve.md.
     """
+    assert load is not None  # with_load_options (speccli.cli.app) passes it
     options = ModelOptions(target or default_target(), draft or default_draft(), **load)
 
     def body() -> int:

@@ -381,9 +381,9 @@ def train(
         ):
             if value is not None and value < 1:
                 raise UsageError(f"{number} must be at least 1, got {value}")
-        for number, value in (("--epochs", epochs), ("--lr", learning_rate)):
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise UsageError(f"{number} must be a positive number, got {value}")
+        for option, rate in (("--epochs", epochs), ("--lr", learning_rate)):
+            if rate is not None and not (math.isfinite(rate) and rate > 0):
+                raise UsageError(f"{option} must be a positive number, got {rate}")
         if answers is not None and answers < 0:
             raise UsageError(f"--answers must be 0 or more, got {answers}")
         from speccli.heads.corpus import data_files

@@ -230,11 +230,11 @@ def answerer(target: LoadedModel) -> tuple[Answer, str, int]:
 
         return answer_batch, "through llama.cpp", ANSWER_BATCH
 
-    stop = list(target.eos_token_ids)
+    eos = list(target.eos_token_ids)
 
     def answer_batch_here(asked: Sequence[str]) -> list[str]:
         prompts = [encode_prompt(target.tokenizer, Prompt.of(r, chat=chat)) for r in asked]
-        answers = greedy_batch(target.model, prompts, ANSWER_TOKENS, stop)
+        answers = greedy_batch(target.model, prompts, ANSWER_TOKENS, eos)
         return [target.tokenizer.decode(ids, skip_special_tokens=True) for ids in answers]
 
     return answer_batch_here, "through transformers", TRANSFORMERS_ANSWER_BATCH

@@ -88,7 +88,8 @@ def stdlib_files() -> list[Path]:
     return [by_name[rel] for rel in _stable_order(by_name)]
 
 
-def _read_text(path: Path) -> str | None:
+def read_text_file(path: Path) -> str | None:
+    """The file's text (UTF-8); None where it cannot be read as such."""
     try:
         return path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
@@ -194,12 +195,12 @@ def _documents(data: Sequence[Path], tokens: Tokens) -> Iterator[list[int]]:
             if path.suffix == ".jsonl":
                 yield from _jsonl_items(path, tokens)
             else:
-                text = _read_text(path)
+                text = read_text_file(path)
                 if text and text.strip():
                     yield tokens.text(text)
         return
     for number, path in enumerate(stdlib_files()):
-        text = _read_text(path)
+        text = read_text_file(path)
         if not text or not text.strip():
             continue
         yield tokens.text(text)

@@ -9,12 +9,14 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
-from torch import nn
 
 from speccli.heads.corpus import Corpus
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SEGMENTS_PER_SHARD = 16
 
@@ -36,7 +38,7 @@ class Features:
 
 
 @torch.no_grad()  # not inference_mode: the features are training inputs
-def target_pass(target: nn.Module, segment: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def target_pass(target: PreTrainedModel, segment: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(features [T, hidden], labels [T]) of one segment, from one pass of the target."""
     device = next(target.parameters()).device
     ids = torch.tensor([segment], dtype=torch.long, device=device)
@@ -53,7 +55,7 @@ def _shard_path(folder: Path, segments: list[list[int]]) -> Path:
 
 
 def extract(
-    target: nn.Module,
+    target: PreTrainedModel,
     corpus: Corpus,
     folder: Path,
     progress: Progress | None = None,

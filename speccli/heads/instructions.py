@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Iterator
 
-from speccli.heads.corpus import _read_text, documented_functions, stdlib_files
+from speccli.heads.corpus import read_text_file, documented_functions, stdlib_files
 
 TOPICS = (
     "learning a new language",
@@ -175,7 +175,7 @@ def _code(rng: random.Random) -> str:
 def _stdlib_requests() -> Iterator[str]:
     """The stdlib's documented functions, asked for or asked about."""
     for number, path in enumerate(stdlib_files()):
-        text = _read_text(path)
+        text = read_text_file(path)
         if not text:
             continue
         for request, answer in documented_functions(text, limit=1):

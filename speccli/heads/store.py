@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from speccli.models.errors import HeadsMismatch
 from speccli.drafters.eagle_layer import EagleHead
@@ -23,8 +22,11 @@ KINDS = ("medusa", "eagle")
 NORM_TOLERANCE = 0.01
 SIGNATURE_BLOCKS = 8
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def target_identity(model: nn.Module, name: str, rows: torch.Tensor | None = None) -> dict[str, Any]:
+
+def target_identity(model: PreTrainedModel, name: str, rows: torch.Tensor | None = None) -> dict[str, Any]:
     """What a head depends on: the target's shape, and the norms of its output rows in
     blocks (the same weights in another dtype agree within NORM_TOLERANCE; another model's
     do not). `rows`: those rows whole, where the model is split over processes."""
@@ -58,7 +60,7 @@ class Heads:
     """Loaded (or freshly trained) heads and what is known about them."""
 
     kind: str
-    module: nn.Module  # MedusaHeads or EagleHead
+    module: MedusaHeads | EagleHead
     vocab: DraftVocab
     target: dict[str, Any]
     shape: dict[str, Any] = field(default_factory=dict)  # heads/layers for Medusa
@@ -112,7 +114,7 @@ def read_metadata(path: Path) -> dict[str, Any]:
 
 
 def load_heads(
-    path: Path, target: nn.Module, target_name: str, kind: str | None = None, rows: torch.Tensor | None = None
+    path: Path, target: PreTrainedModel, target_name: str, kind: str | None = None, rows: torch.Tensor | None = None
 ) -> Heads:
     """The heads in `path`, checked against the target they will draft for (`rows`: its
     output rows whole, where it is split over processes)."""
@@ -142,7 +144,7 @@ def load_heads(
     return Heads(meta["kind"], module.eval(), vocab, meta["target"], meta["shape"], meta["training"])
 
 
-def build_module(kind: str, target: nn.Module, vocab_size: int, shape: dict[str, Any]) -> nn.Module:
+def build_module(kind: str, target: PreTrainedModel, vocab_size: int, shape: dict[str, Any]) -> MedusaHeads | EagleHead:
     if kind == "medusa":
         return MedusaHeads(
             target.config.hidden_size, vocab_size, int(shape.get("heads", 4)), int(shape.get("layers", 1))

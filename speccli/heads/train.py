@@ -9,7 +9,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ EAGLE_NOISE = 0.1  # uniform noise on input features, as a share of their RMS (E
 EAGLE_MEASURED_DEPTHS = 3  # held-out accuracy of EAGLE's first three drafted tokens
 EAGLE_DEEPER_WEIGHT = 1.0  # loss weight of each unrolled step past the first (training-time test)
 WARMUP_STEPS = 20
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class Trainer:
     def __init__(
         self,
         config: TrainConfig,
-        target: nn.Module,
+        target: PreTrainedModel,
         train: Features,
         held_out: Features,
         checkpoint: Path,
@@ -85,7 +88,7 @@ class Trainer:
             self.rows = target.get_output_embeddings().weight.detach()[self.vocab.ids].float()
         self.train_labels = self.vocab.index_of(train.labels)
         if config.kind == "medusa":
-            self.module: nn.Module = MedusaHeads(
+            self.module: MedusaHeads | EagleHead = MedusaHeads(
                 target.config.hidden_size, len(self.vocab), config.heads, config.layers
             )
             self.module.init_output(self.rows)
@@ -169,7 +172,7 @@ class Trainer:
     def loss(self, batch: torch.Tensor, step: int) -> torch.Tensor:
         features = self.train_set.features[batch].float()
         labels = self.train_labels[batch]
-        if self.config.kind == "medusa":
+        if isinstance(self.module, MedusaHeads):  # config.kind "medusa"
             return medusa_loss(self.module, features, labels)
         noise = torch.rand(features[:, :-1].shape, generator=torch.Generator().manual_seed(step)) * 2 - 1
         tokens = self.train_set.tokens[batch]
@@ -234,7 +237,7 @@ class Trainer:
             part = slice(first, first + self.config.batch_segments)
             features, labels = data.features[part].float(), data.labels[part]
             with self._autocast():
-                if self.config.kind == "medusa":
+                if isinstance(self.module, MedusaHeads):  # config.kind "medusa"
                     logits = self.module(features)  # [K, B, T, V]
                     for i in range(logits.shape[0]):
                         shift = i + 1
@@ -316,8 +319,10 @@ def eagle_unrolled(
 
     length = features.shape[1] - 1
     inputs = features[:, :-1] if noise is None else features[:, :-1] + noise
+    weight = embeddings.weight
+    assert isinstance(weight, torch.Tensor), "an input embedding has a weight"
     with torch.no_grad():
-        embedded = embeddings(tokens[:, 1:].to(embeddings.weight.device)).float()
+        embedded = embeddings(tokens[:, 1:].to(weight.device)).float()
     positions = torch.arange(length).expand(features.shape[0], -1)
     if steps == 1:
         return [head(inputs, embedded, positions)]

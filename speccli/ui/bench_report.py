@@ -163,7 +163,11 @@ def error_lines(results: BenchResults) -> list[str]:
 
 def near_tie_lines(results: BenchResults) -> list[str]:
     """One line per greedy row whose outputs part at a near-tie (not an error)."""
-    return [f"{r.prompt} k={r.k} repeat {r.repeat + 1}: {r.divergence.describe()}" for r in results.rows if r.near_tie]
+    return [
+        f"{r.prompt} k={r.k} repeat {r.repeat + 1}: {r.divergence.describe()}"
+        for r in results.rows
+        if r.divergence is not None and r.divergence.near_tie  # r.near_tie
+    ]
 
 
 # --------------------------------------------------------------------------- formats

@@ -15,7 +15,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, TextIO
+from typing import Callable, Mapping, Optional, Protocol, TextIO
 
 from speccli.chat import (
     Answer,
@@ -51,13 +51,13 @@ NO_HISTORY_ENV = "SPECGEN_NO_HISTORY"
 # --------------------------------------------------------------------------- input
 
 
-def history_path(environ: Optional[dict] = None) -> Optional[Path]:
+def history_path(environ: Optional[Mapping[str, str]] = None) -> Optional[Path]:
     """Where the prompt history is kept: $XDG_STATE_HOME/specgen/history, else
     ~/.local/state/specgen/history; None when SPECGEN_NO_HISTORY is set (not 0)."""
-    environ = os.environ if environ is None else environ
-    if environ.get(NO_HISTORY_ENV, "") not in ("", "0"):
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    if env.get(NO_HISTORY_ENV, "") not in ("", "0"):
         return None
-    state = environ.get("XDG_STATE_HOME") or ""
+    state = env.get("XDG_STATE_HOME") or ""
     base = Path(state) if state and Path(state).is_absolute() else Path.home() / ".local" / "state"
     return base / "specgen" / "history"
 
@@ -99,6 +99,12 @@ class MessageCollector:
         self._lines = None
 
 
+class Reader(Protocol):
+    """Where the REPL's lines come from: StreamReader, TerminalReader, AfterWarmUp."""
+
+    def read(self, continuation: bool) -> str: ...
+
+
 class StreamReader:
     """Lines from a stream (stdin that is not a terminal). EOFError at its end."""
 
@@ -116,7 +122,7 @@ class AfterWarmUp:
     """A reader whose first line waits until the warm-up running beside it is done: the
     prompt shows while the models warm up, and the first question is answered after."""
 
-    def __init__(self, reader, warming: threading.Thread) -> None:
+    def __init__(self, reader: Reader, warming: threading.Thread) -> None:
         self.reader = reader
         self.warming = warming
 
@@ -140,10 +146,10 @@ class TerminalReader:
 
     def __init__(self, history: Optional[Path], output_stream: Optional[TextIO] = None) -> None:
         from prompt_toolkit import PromptSession
-        from prompt_toolkit.history import FileHistory, InMemoryHistory
+        from prompt_toolkit.history import FileHistory, History, InMemoryHistory
         from prompt_toolkit.key_binding import KeyBindings
 
-        store = InMemoryHistory()
+        store: History = InMemoryHistory()
         if history is not None:
             try:
                 history.parent.mkdir(parents=True, exist_ok=True)
@@ -161,7 +167,7 @@ class TerminalReader:
             from prompt_toolkit.output import create_output
 
             output = create_output(stdout=output_stream)
-        self.session = PromptSession(history=store, key_bindings=bindings, output=output)
+        self.session: PromptSession[str] = PromptSession(history=store, key_bindings=bindings, output=output)
 
     def read(self, continuation: bool) -> str:
         return self.session.prompt(CONTINUATION if continuation else PROMPT)
@@ -396,7 +402,7 @@ class ChatUI:
         if self.tokens.colour and self.session.has_drafter:
             self.notes.legend()
 
-    def run(self, reader) -> int:
+    def run(self, reader: Reader) -> int:
         """The loop. Ctrl-C or Ctrl-D at the prompt (or the end of piped input) ends it
         with the session report; Ctrl-C inside an open multi-line block drops the block.
         Returns the exit code (0)."""
@@ -483,6 +489,7 @@ def run_chat(
     off = False if color is False else None
     ui = ChatUI(session, stdout, stderr, colour_enabled(stdout, off), colour_enabled(stderr, off))
     interactive = _isatty(stdin)
+    reader: Reader
     if interactive:
         reader = TerminalReader(history_path(), None if _isatty(stdout) else stderr)
         ui.banner()

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 
 def stderr_progress(quiet: bool) -> Callable[[str], None]:
@@ -94,7 +97,7 @@ class TrainProgressDisplay(_BarDisplay):
     def __init__(self, say: Callable[[str], None], bar: bool) -> None:
         super().__init__(bar, remaining=True)
         self._say = say
-        self._task = None
+        self._task: TaskID | None = None
         self._phase: str | None = None  # the phase the bar shows
         self._shown: dict[str, int] = {}  # per phase, the last tenth printed (no bar)
 
