@@ -222,15 +222,16 @@ class Speculator:
             if decoder.drafter is not None:
                 decoder.drafter.rollback(0)
         on_end = None
-        if adaptive and self._remember is not None:
+        remember = self._remember
+        if adaptive and remember is not None:
             max_k = spec.max_k
-            on_end = lambda: self._after_generation(decoder, max_k)  # noqa: E731
-        return Generation(ids, decoder.generate(ids, sampling, spec), on_end)
 
-    def _after_generation(self, decoder: SpeculativeDecoder, max_k: int) -> None:
-        notice = self._remember(decoder, max_k)
-        if notice is not None:
-            self.notices.append(notice)
+            def on_end() -> None:
+                notice = remember(decoder, max_k)
+                if notice is not None:
+                    self.notices.append(notice)
+
+        return Generation(ids, decoder.generate(ids, sampling, spec), on_end)
 
     def _plain_decoder(self, stop_at_eos: bool) -> SpeculativeDecoder:
         if stop_at_eos not in self._plain:

@@ -10,17 +10,18 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Iterable, Sequence, TypeGuard
 
 import torch
 
 from speccli.autok.costs import CostCurve, PassTimes
-from speccli.autok.policy import AcceptancePrior, DraftLengthPolicy, FixedDraftLength, KAuto
-from speccli.backends.base import CausalLM, common_prefix_length
+from speccli.autok.plan import StepPlan
+from speccli.autok.policy import AcceptancePrior, DraftLengthPolicy, KAuto
+from speccli.backends.base import CausalLM, FeatureLM, common_prefix_length
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.context import check_fits
 from speccli.coupling import PositionNoise, coupled
-from speccli.drafters.base import Draft, Drafter
+from speccli.drafters.base import Draft, Drafter, FeatureReader, PlainDecoding, Settled
 from speccli.events import (
     Event,
     EventStream,
@@ -45,6 +46,23 @@ class StepOutcome:
     event: StepEvent
 
 
+@dataclass(frozen=True)
+class FeatureFeed:
+    """The target's features, handed to a drafter that drafts from them (Medusa, EAGLE)."""
+
+    target: FeatureLM
+    reader: FeatureReader
+
+    def start(self, context: Sequence[int], reused: int) -> int:
+        """Of the `reused` cached tokens, how many the prefill may skip: features are only
+        computed by a pass, so what the drafter lacks is fed again."""
+        return min(reused, self.reader.features_from(context))
+
+    def hand_over(self, start: int, rows: slice | list[int]) -> None:
+        """The features of the last pass at `rows`, for the settled positions from `start`."""
+        self.reader.observe_features(start, self.target.last_hidden[rows])
+
+
 class SpeculativeDecoder:
     """Speculative decoding at batch size 1. With no drafter (or k = 0) it is plain
     target decoding through the same loop, which is what baselines are measured with."""
@@ -53,7 +71,7 @@ class SpeculativeDecoder:
         self,
         target: CausalLM,
         tokenizer: Detokenizer,
-        eos_token_ids: Sequence[int],
+        eos_token_ids: Iterable[int],
         drafter: Drafter | None = None,
         costs: CostCurve | None = None,
         prior: AcceptancePrior | None = None,
@@ -62,14 +80,20 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.drafter = drafter
+        # What each step asks for guesses: plain decoding's where there is no drafter.
+        self._source: Drafter = drafter if drafter is not None else PlainDecoding()
         # Measured pass costs (a calibration) to start `k=auto` from, instead of exploring;
         # the passes run since they were set, to check them against (`pass_times`).
         self.costs = costs
         # The draft's acceptance by position as an earlier session with this pair left it.
         self.prior = prior
         self.k_auto = KAuto()
-        if self._needs_hidden:
-            target.capture_hidden(drafter.feature_layers)
+        self._features: FeatureFeed | None = None
+        reader = self._source.features
+        if reader is not None:
+            feature_target = features_of(target)
+            feature_target.capture_hidden(reader.feature_layers)
+            self._features = FeatureFeed(feature_target, reader)
 
     @property
     def costs(self) -> CostCurve | None:
@@ -79,11 +103,6 @@ class SpeculativeDecoder:
     def costs(self, costs: CostCurve | None) -> None:
         self._costs = costs
         self.pass_times = PassTimes()
-
-    @property
-    def _needs_hidden(self) -> bool:
-        """Whether the drafter drafts from the target's features (Medusa, EAGLE)."""
-        return self.drafter is not None and self.drafter.needs_hidden
 
     def generate(
         self,
@@ -97,13 +116,12 @@ class SpeculativeDecoder:
         return EventStream(self._run(prompt_ids, sampling, spec, policy, output), output)
 
     def policy_for(self, spec: SpecConfig) -> DraftLengthPolicy:
-        """The draft-length policy of a generation with these settings (the drafter's own
-        for a fixed k; k auto's kept across generations)."""
-        drafter = self.drafter
-        if drafter is None:
-            return FixedDraftLength(0)
-        return drafter.policy(
-            spec.k, self.costs, lambda: self.k_auto.policy(spec.max_k, self.costs, self.prior, drafter.match_acceptance)
+        """The policy of a generation with these settings (the drafter's own for a fixed k;
+        k auto's kept across generations)."""
+        return self._source.policy(
+            spec.k,
+            self.costs,
+            lambda match_acceptance: self.k_auto.policy(spec.max_k, self.costs, self.prior, match_acceptance),
         )
 
     def learned(self) -> AcceptancePrior | None:
@@ -127,40 +145,29 @@ class SpeculativeDecoder:
         started = time.perf_counter()
         context = list(prompt_ids)
         reused = self._prefill(context)
-        if self.drafter is not None:
-            self.drafter.start(context)
-        if self._needs_hidden and reused < len(context) - 1:
-            self.drafter.observe_features(reused, self.target.last_hidden)
+        self._source.start(context)
+        if self._features is not None and reused < len(context) - 1:
+            self._features.hand_over(reused, slice(None))
         yield PrefillEvent(len(context), reused, time.perf_counter() - started)
 
         generator = make_generator(self.target.device, sampling.seed)
-        noise = PositionNoise(sampling.seed, self.target.vocab_size) if coupled(sampling) else None
+        seed = sampling.seed if coupled(sampling) else None
+        noise = None if seed is None else PositionNoise(seed, self.target.vocab_size)
         emitted = 0
         step = 0
         while True:
             room = spec.max_new_tokens - emitted - 1
             if max_length is not None:
                 room = min(room, max_length - len(context))
-            trees = spec.tree
-            if self.drafter is not None:
-                if self.drafter.keyed_by_match:
-                    policy.expect(self.drafter.match_length(context))
-                policy.offer(self.drafter.pool_candidates(context))
-            k = max(0, min(policy.next_k(), room))
-            if self.drafter is not None and self.drafter.always_trees:
-                # Lookahead's steps are its own trees; those its policy holds back are prompt
-                # lookup's, as `--draft ngram` drafts them: chains, or trees with --tree.
-                plan = policy.plan()
-                self.drafter.plan_step(plan)
-                trees = plan.lookahead or spec.tree
+            plan = policy.plan(self._source.signal(context), room, spec.tree)
 
             step += 1
             # The output position of the next token: the coupled rule's noise is chosen by it.
             position = len(context) - len(prompt_ids)
-            if k > 0 and trees and self.drafter is not None and self.drafter.drafts_trees:
-                outcome = self._tree_step(context, k, policy.tree_policy(), sampling, generator, noise, position, step)
+            if plan.tree and self._source.drafts_trees:
+                outcome = self._tree_step(context, plan, sampling, generator, noise, position, step)
             else:
-                outcome = self._chain_step(context, k, sampling, generator, noise, position, step)
+                outcome = self._chain_step(context, plan, sampling, generator, noise, position, step)
             policy.observe(outcome.event)
             self.pass_times.record(outcome.event.fed, outcome.event.verify_seconds)
             context.extend(outcome.tokens)
@@ -197,7 +204,7 @@ class SpeculativeDecoder:
     def _chain_step(
         self,
         context: list[int],
-        k: int,
+        plan: StepPlan,
         sampling: SamplingConfig,
         generator: torch.Generator,
         noise: PositionNoise | None,
@@ -205,11 +212,11 @@ class SpeculativeDecoder:
         step: int,
     ) -> StepOutcome:
         draft_started = self._clock()
-        caught_up = self._catch_up(context, k)
+        prepared = self._prepare(context, plan)
         draft = Draft([])
-        if k > 0 and self.drafter is not None:
+        if plan.k > 0:
             draft_noise = None if noise is None else noise.from_position(position)
-            draft = self.drafter.propose(context, k, sampling, generator, noise=draft_noise)
+            draft = self._source.propose(context, plan.k, sampling, generator, noise=draft_noise)
         verify_started = self._clock()
         logits = self.target.forward([context[-1], *draft.tokens])
         draft_ids = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
@@ -217,10 +224,9 @@ class SpeculativeDecoder:
         verdict = verify_chain(logits, draft_ids, draft.probs, sampling, generator, rows)
         settled = len(context) + verdict.accepted
         self.target.rollback(settled)
-        if self.drafter is not None:
-            self.drafter.rollback(settled)
-        if self._needs_hidden:
-            self.drafter.observe_features(len(context) - 1, self.target.last_hidden[: verdict.accepted + 1])
+        self._source.settle(Settled(settled))
+        if self._features is not None:
+            self._features.hand_over(len(context) - 1, slice(None, verdict.accepted + 1))
         tokens = draft.tokens[: verdict.accepted] + [verdict.next_token]
         event = StepEvent(
             step=step,
@@ -228,15 +234,14 @@ class SpeculativeDecoder:
             accepted=verdict.accepted,
             draft_seconds=verify_started - draft_started,
             verify_seconds=self._clock() - verify_started,
-            catch_up_seconds=caught_up,
+            catch_up_seconds=prepared,
         )
         return StepOutcome(tokens, step_provenances(verdict.accepted, len(draft), verdict.resampled), event)
 
     def _tree_step(
         self,
         context: list[int],
-        k: int,
-        policy: DraftLengthPolicy,
+        plan: StepPlan,
         sampling: SamplingConfig,
         generator: torch.Generator,
         noise: PositionNoise | None,
@@ -246,33 +251,33 @@ class SpeculativeDecoder:
         """Draft a tree k deep, verify it in one pass (speccli.tree), keep the
         accepted path in the target's cache."""
         draft_started = self._clock()
-        caught_up = self._catch_up(context, k)
+        prepared = self._prepare(context, plan)
         draft_noise = None if noise is None else noise.from_position(position)
-        live = policy.costs.curve if policy.costs is not None else None
-        shape = TreeShape.for_costs(k, live, self.costs)
+        shape = TreeShape.for_costs(plan.k, plan.costs, self.costs)
         if self.target.max_length is not None:
             # The pass holds the pending token and every node until the path is kept.
             shape = replace(shape, max_nodes=min(shape.max_nodes, self.target.max_length - len(context)))
-        tree = self.drafter.propose_tree(context, shape, sampling, generator, noise=draft_noise)
+        draft = self._source.propose_tree(context, shape, sampling, generator, noise=draft_noise)
+        tree = draft.tree
         verify_started = self._clock()
         cached = len(self.target.cached_tokens)
-        branch = self.drafter.branch(context)  # lookahead decoding's Jacobi window
+        branch = draft.branch  # lookahead decoding's Jacobi window
         if branch is not None and not self._branch_fits(cached, len(tree) + 1 + len(branch)):
             branch = None
         fed = TreePass.of(context[-1], tree, cached, branch)
         logits = self.target.forward_tree(fed.tokens, fed.positions, fed.visible, cached)
+        branch_guesses = None
         if branch is not None:
-            self.drafter.advance(torch.argmax(logits[fed.tree_rows :], dim=-1).tolist())
+            branch_guesses = torch.argmax(logits[fed.tree_rows :], dim=-1).tolist()
             logits = logits[: fed.tree_rows]
         rows = None if noise is None else noise.rows(position, tree.depth + 1)[tree.fed_depths()]
         verdict = verify_tree(logits, tree, sampling, generator, rows)
         kept = kept_offsets(verdict.path)
         self.target.keep(cached, kept)
-        if self._needs_hidden:
-            self.drafter.observe_features(len(context) - 1, self.target.last_hidden[kept])
-        self.drafter.settle_tree(verdict.path, len(context) + verdict.accepted)
+        if self._features is not None:
+            self._features.hand_over(len(context) - 1, kept)
+        self._source.settle(Settled(len(context) + verdict.accepted, verdict.path, branch_guesses))
         tokens = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
-        guess = self.drafter.guess  # lookahead's: prompt lookup's guess in the tree
         event = StepEvent(
             step=step,
             drafted=tree.depth,
@@ -281,9 +286,9 @@ class SpeculativeDecoder:
             verify_seconds=self._clock() - verify_started,
             fed=len(fed.tokens),
             tree=True,
-            catch_up_seconds=caught_up,
-            guessed=len(guess),
-            guessed_kept=common_prefix_length(guess, tokens[:-1]),
+            catch_up_seconds=prepared,
+            guessed=len(draft.guess),
+            guessed_kept=common_prefix_length(draft.guess, tokens[:-1]),
         )
         return StepOutcome(tokens, step_provenances(verdict.accepted, len(tree), verdict.resampled), event)
 
@@ -303,17 +308,17 @@ class SpeculativeDecoder:
         passes (a CUDA graph captured on first use): the steps' timings teach k auto what a
         pass costs, and a capture is not part of that."""
         setup = self.target.setup_seconds
-        if self.drafter is not None and self.drafter.draft_model is not None:
-            setup += self.drafter.draft_model.setup_seconds
+        if self._source.draft_model is not None:
+            setup += self._source.draft_model.setup_seconds
         return time.perf_counter() - setup
 
-    def _catch_up(self, context: list[int], k: int) -> float:
-        """Before a step that drafts: let a draft model read what it has not (see
-        ModelDrafter.catch_up). Returns the seconds it took."""
-        if k <= 0 or self.drafter is None or self.drafter.draft_model is None:
+    def _prepare(self, context: list[int], plan: StepPlan) -> float:
+        """Before a step that drafts: hand the drafter its plan, and let a draft model read
+        what it has not (see ModelDrafter.prepare). Returns the seconds it took."""
+        if plan.k <= 0:
             return 0.0
         started = self._clock()
-        self.drafter.catch_up(context)
+        self._source.prepare(context, plan)
         return self._clock() - started
 
     def _prefill(self, context: list[int]) -> int:
@@ -321,10 +326,20 @@ class SpeculativeDecoder:
         previous generation left there. Returns the number of tokens reused."""
         settled = context[:-1]
         reused = common_prefix_length(self.target.cached_tokens, settled)
-        if self._needs_hidden:
-            # Features are only computed by a pass: feed again what the drafter lacks.
-            reused = min(reused, self.drafter.features_from(context))
+        if self._features is not None:
+            reused = self._features.start(context, reused)
         self.target.rollback(reused)
         if reused < len(settled):
             self.target.forward(settled[reused:], all_logits=False)
         return reused
+
+
+def features_of(target: CausalLM) -> FeatureLM:
+    """The target as a model that hands out its features, for a drafter that reads them."""
+    if not hands_out_features(target):
+        raise ValueError(f"{type(target).__name__} cannot hand out its hidden states, which this drafter reads")
+    return target
+
+
+def hands_out_features(target: CausalLM) -> TypeGuard[FeatureLM]:
+    return all(callable(getattr(target, name, None)) for name in ("capture_hidden", "input_embedding", "output_rows"))

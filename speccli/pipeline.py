@@ -17,7 +17,7 @@ from speccli.config import LoadConfig
 from speccli.drafters.base import Drafter
 from speccli.drafters.model import DEFAULT_STOP_CONFIDENCE, ModelDrafter
 from speccli.drafters.registry import DRAFTERS
-from speccli.loop import SpeculativeDecoder
+from speccli.loop import SpeculativeDecoder, features_of
 from speccli.models.compat import check_tokenizers_compatible, shared_vocab
 from speccli.models.drafts import AUTO as AUTO_DRAFT
 from speccli.models.drafts import choose_draft
@@ -172,7 +172,7 @@ def load_pipeline(
     if target_config.tp > 1:
         from speccli.backends.distributed import lead
 
-        target_lm = lead(target_lm)  # the other ranks run each of its passes on their shards
+        target_lm = lead(features_of(target_lm))  # the other ranks run each of its passes on their shards
     draft: LoadedModel | None = None
     drafter: Drafter | None
     if key in DRAFTERS:
@@ -180,9 +180,9 @@ def load_pipeline(
     elif published is not None:
         from speccli.models.published_drafter import published_drafter
 
-        drafter = published_drafter(published, target_lm, target.model.config)
+        drafter = published_drafter(published, features_of(target_lm), target.model.config)
     elif heads is not None:
-        drafter = head_drafter(target, target_lm, heads.kind, heads.path, progress=progress)
+        drafter = head_drafter(target, features_of(target_lm), heads.kind, heads.path, progress=progress)
     elif pending_draft is None:
         drafter = None
     else:
@@ -343,6 +343,7 @@ def head_drafter(
     train` saves heads for it. Heads trained for another target are refused (HeadsMismatch)."""
     from speccli.drafters.eagle_layer import OutputRows
     from speccli.drafters.heads import EagleDrafter, MedusaDrafter
+    from speccli.drafters.medusa_heads import MedusaHeads
     from speccli.heads.store import HeadsMismatch, load_heads
     from speccli.models.offline import default_heads_path
     from speccli.models import offline
@@ -363,10 +364,11 @@ def head_drafter(
             f"{kind} heads from {path} (trained on {heads.training.get('tokens', '?')} tokens; held-out top-1 {shown})"
         )
     embeddings = target_lm.input_embedding()
-    dtype = embeddings.weight.dtype if embeddings.weight.dtype.is_floating_point else torch.float32
-    device = embeddings.weight.device
-    heads.module.to(device)
-    if kind == "medusa":
-        return MedusaDrafter(heads.module, heads.vocab, dtype)
-    rows = rows[heads.vocab.ids.to(device)]
-    return EagleDrafter(heads.module, heads.vocab, embeddings, OutputRows(rows), DEFAULT_STOP_CONFIDENCE, dtype)
+    weight = embeddings.weight
+    assert isinstance(weight, torch.Tensor)
+    dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+    module = heads.module.to(weight.device)
+    if isinstance(module, MedusaHeads):
+        return MedusaDrafter(module, heads.vocab, dtype)
+    rows = rows[heads.vocab.ids.to(weight.device)]
+    return EagleDrafter(module, heads.vocab, embeddings, OutputRows(rows), DEFAULT_STOP_CONFIDENCE, dtype)

@@ -130,6 +130,8 @@ class TokenTree:
     def drawn_from(self, node: int, device: torch.device) -> torch.Tensor:
         """The distribution `node` was drawn from: its parent's draft q without the tokens
         drawn before it (renormalised)."""
+        if self.dists is None:
+            raise ValueError("a deterministic tree's nodes were not drawn from a distribution")
         parent = self.parents[node]
         q = self.dists[self.dist_rows[parent]].to(device=device, dtype=torch.float32)
         removed = self.excluded.get(node)

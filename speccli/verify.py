@@ -139,8 +139,8 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Ve
     Decided where the logits are (a GPU), with one copy of the outcome to the host."""
     best = torch.argmax(target_logits, dim=-1)
     n = draft_tokens.shape[0]
-    accepted = surviving(best[:n] == draft_tokens.to(best.device))
-    accepted, token = _to_host(accepted, best.gather(0, accepted.view(1))[0])
+    survived = surviving(best[:n] == draft_tokens.to(best.device))
+    accepted, token = _to_host(survived, best.gather(0, survived.view(1))[0])
     return Verdict.chain(accepted, token, n)
 
 
@@ -176,18 +176,18 @@ def verify_sampled(
         p_of_draft = p[rows, draft_tokens]
         q_of_draft = torch.ones_like(p_of_draft) if q is None else q[rows, draft_tokens]
         uniform = torch.rand(n, generator=generator, device=p.device)
-        accepted = surviving(accept_mask(p_of_draft, q_of_draft, uniform))
+        survived = surviving(accept_mask(p_of_draft, q_of_draft, uniform))
     else:
-        accepted = torch.zeros((), dtype=torch.int64, device=p.device)
-    at = accepted.view(1)
-    rejected = (accepted < n).to(p.dtype)
+        survived = torch.zeros((), dtype=torch.int64, device=p.device)
+    at = survived.view(1)
+    rejected = (survived < n).to(p.dtype)
     if q is None:
         drafted = torch.cat([draft_tokens, draft_tokens.new_zeros(1)]).gather(0, at)
         q_row = torch.zeros_like(p[0]).scatter_(0, drafted, rejected.view(1))
     else:
         q_row = torch.cat([q.to(p.dtype), torch.zeros_like(p[:1])]).index_select(0, at)[0]
     residual = residual_distribution(p.index_select(0, at)[0], q_row)
-    accepted, token = _to_host(accepted, sample(residual, generator))
+    accepted, token = _to_host(survived, sample(residual, generator))
     return Verdict.chain(accepted, token, n)
 
 

@@ -90,7 +90,7 @@ class TestPool:
     def test_start_seeds_the_pool_with_the_prompts_ngrams_and_the_tree_offers_the_latest(self):
         drafter = LookaheadDrafter(LookaheadShape(window=2, ngram=3, guesses=2))
         drafter.start([1, 2, 3, 1, 2, 4, 1, 5, 6, 1])
-        tree = drafter.propose_tree([9, 1], TreeShape(max_depth=2, max_nodes=8), SamplingConfig(), None)
+        tree = drafter.propose_tree([9, 1], TreeShape(max_depth=2, max_nodes=8), SamplingConfig(), None).tree
         # n-grams after 1: (2, 3), (2, 4), (5, 6); the latest two, the latest first, merged.
         assert (tree.tokens, tree.parents) == ([5, 6, 2, 4], [ROOT, 0, ROOT, 2])
 
@@ -98,7 +98,7 @@ class TestPool:
         drafter = LookaheadDrafter(LookaheadShape(window=2, ngram=3, guesses=1))
         context = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
         drafter.start(context)
-        tree = drafter.propose_tree(context, TreeShape(max_depth=2, max_nodes=16), SamplingConfig(), None)
+        tree = drafter.propose_tree(context, TreeShape(max_depth=2, max_nodes=16), SamplingConfig(), None).tree
         assert tree.tokens[:2] == [3, 4] and tree.parents[:2] == [ROOT, 0]
 
     def test_the_lookup_guess_grows_while_it_comes_true_whole_and_shrinks_when_it_fails(self):
@@ -107,7 +107,7 @@ class TestPool:
         shape = TreeShape(max_depth=2, max_nodes=6)
 
         def guess(context: list[int]) -> list[int]:
-            tree = drafter.propose_tree(context, shape, SamplingConfig(), None)
+            tree = drafter.propose_tree(context, shape, SamplingConfig(), None).tree
             path, node = [], ROOT
             while node in tree.parents:  # the lookup guess is the first chain of the trie
                 node = tree.parents.index(node)
@@ -133,7 +133,7 @@ class TestPool:
         assert drafter.pool and drafter.levels
         drafter.rollback(0)
         assert drafter.pool == {} and drafter.levels == []
-        tree = drafter.propose_tree([5, 1], TreeShape(max_depth=2, max_nodes=8), SamplingConfig(), None)
+        tree = drafter.propose_tree([5, 1], TreeShape(max_depth=2, max_nodes=8), SamplingConfig(), None).tree
         assert tree.tokens == []  # nothing of the text before is offered
 
 

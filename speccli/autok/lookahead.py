@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, replace
 
 from speccli.autok.costs import CostCurve
-from speccli.autok.policy import AdaptiveDraftLength, DraftLengthByMatch, DraftLengthPolicy, StepPlan
+from speccli.autok.plan import DraftSignal, LookaheadPlan, StepPlan
+from speccli.autok.policy import AdaptiveDraftLength, DraftLengthByMatch, DraftLengthPolicy, FixedDraftLength
 from speccli.events import StepEvent
 
 
@@ -79,7 +80,9 @@ def choose_shape(costs: CostCurve | None) -> LookaheadShape | None:
     where the pool it fed went stale and lookahead fell behind `--draft ngram`."""
     if costs is None or costs.measured(1) is None:
         return DEFAULT_SHAPE
-    best, best_rate = None, 1 / costs.cautious(1)
+    one_token = costs.cautious(1)
+    assert one_token is not None  # a one-token pass was measured
+    best, best_rate = None, 1 / one_token
     for shape in SHAPES:
         cost = costs.cautious(shape.fed)
         if cost is None:
@@ -207,8 +210,11 @@ class LookaheadGate(DraftLengthPolicy):
     def _rate(self, guess_length: int, extra: int, more: float = 0.0) -> float:
         """Tokens per second of a step carrying as much of a guess as fits beside `extra`
         tokens and bringing `more` tokens beyond it."""
+        assert self.curve is not None, "priced only with measured costs (window_pays, pool_pays)"
         carried = self.cut(guess_length, extra)
-        return (self.meanwhile.expected(carried) + more) / self.curve.cautious(carried + 1 + extra)
+        cost = self.curve.cautious(carried + 1 + extra)
+        assert cost is not None, "a pass no larger than the largest measured (the shape is choose_shape's)"
+        return (self.meanwhile.expected(carried) + more) / cost
 
     def window_pays(self, guess_length: int) -> bool:
         """Whether the window, worth `window_value` tokens a step, pays for its tokens beside
@@ -267,12 +273,15 @@ class LookaheadGate(DraftLengthPolicy):
         """The length of prompt lookup's match for the coming step, for the `meanwhile` policy."""
         self.meanwhile.expect(match)
 
-    def plan(self) -> StepPlan:
-        return StepPlan(self.lookahead_step, self.guess_length, pool=self.pool_step, window=self.window_step)
-
-    def tree_policy(self) -> DraftLengthPolicy:
-        """Prompt lookup's steps are sized by its own k auto."""
-        return self if self.lookahead_step else self.meanwhile
+    def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
+        """A lookahead step is a tree step carrying the window, the pool or both; the others
+        are prompt lookup's, sized by its own k auto."""
+        self.expect(signal.match)
+        self.offer(signal.pooled)
+        k = max(0, min(self.next_k(), room))
+        if not self.lookahead_step:
+            return StepPlan(k, tree=trees and k > 0, costs=self.meanwhile.costs.curve)
+        return StepPlan(k, tree=k > 0, lookahead=LookaheadPlan(self.guess_length, self.pool_step, self.window_step))
 
     def observe(self, step: StepEvent) -> None:
         if not self.lookahead_step or not step.tree:
@@ -286,3 +295,12 @@ class LookaheadGate(DraftLengthPolicy):
         if self.pool_step:
             self._gain_sum = self._gain_sum * self.forgetting + (step.accepted - step.guessed_kept)
             self._gain_steps = self._gain_steps * self.forgetting + 1
+
+
+class FixedLookahead(FixedDraftLength):
+    """A fixed k for lookahead (`--k N`: n-grams of N + 1 tokens): every drafting step is a
+    lookahead step, with the whole window and pool."""
+
+    def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
+        k = max(0, min(self.k, room))
+        return StepPlan(k, tree=k > 0, lookahead=LookaheadPlan() if k > 0 else None)

@@ -6,30 +6,28 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 from speccli.autok.costs import CostCurve
+from speccli.autok.plan import DraftSignal, StepPlan
 from speccli.events import StepEvent
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """What the policy decided for the coming step beyond its length, for a drafter whose
-    steps take more than one form (lookahead: its own tree step, or prompt lookup's)."""
-
-    lookahead: bool = True  # lookahead's own step (False: prompt lookup's, as `--draft ngram`)
-    guess_length: int | None = None  # prompt lookup's guess in a lookahead step (None: the drafter's own rule)
-    pool: bool = True  # the lookahead step's tree offers the pool's n-grams
-    window: bool = True  # the lookahead window rides along
-
-
 class DraftLengthPolicy:
-    """How many tokens to draft each step: `next_k` before the step, `observe` after it.
+    """How to draft each step: `plan` before the step, `observe` after it.
 
-    The rest are hooks with defaults that a policy overrides where it uses them: the
-    decoder calls every one of them, each step, whatever the policy."""
+    A policy chooses the length in `next_k`, reading the drafter's signal for the coming
+    step in the hooks `expect` and `offer` where it uses them (their defaults ignore it);
+    `plan` turns that into the step's plan."""
 
     costs: StepCosts | None = None  # measured step costs (k auto's), which size token trees
 
     def begin(self) -> None:
         """A generation begins; its first step drafts the answer's first token."""
+
+    def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
+        """The coming step, drafting at most `room` tokens, as a tree where `trees` allows."""
+        self.expect(signal.match)
+        self.offer(signal.pooled)
+        k = max(0, min(self.next_k(), room))
+        return StepPlan(k, tree=trees and k > 0, costs=self.costs.curve if self.costs is not None else None)
 
     def expect(self, match: int) -> None:
         """The length of prompt lookup's match for the coming step (0: none)."""
@@ -44,14 +42,6 @@ class DraftLengthPolicy:
     def observe(self, step: StepEvent) -> None:
         """Learn from the step just verified."""
         raise NotImplementedError
-
-    def plan(self) -> StepPlan:
-        """The form of the coming step (after `next_k`)."""
-        return StepPlan()
-
-    def tree_policy(self) -> DraftLengthPolicy:
-        """The policy whose costs size the coming step's tree."""
-        return self
 
 
 class FixedDraftLength(DraftLengthPolicy):
@@ -243,6 +233,8 @@ class AdaptiveDraftLength(DraftLengthPolicy):
     where the opening estimate starts, and what it learned is left to the next one.
     """
 
+    costs: StepCosts
+
     def __init__(self, settings: AdaptiveSettings | None = None, **overrides) -> None:
         s = replace(settings or AdaptiveSettings(), **overrides)
         self.settings = s
@@ -336,8 +328,9 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         plain = self.costs.step_seconds(0)
         probe = self._probe(acceptance)
         interval = float(self.probe_every)
-        if plain and probe:
-            extra = self.costs.step_seconds(probe) - expected_tokens(acceptance, probe) * plain
+        probe_seconds = self.costs.step_seconds(probe) if probe else None
+        if plain and probe_seconds is not None:
+            extra = probe_seconds - expected_tokens(acceptance, probe) * plain
             interval = max(interval, extra / (self.probe_budget * plain))
         return interval * 2 ** min(self._failed_probes, self.max_backoff)
 
@@ -455,6 +448,8 @@ class DraftLengthByMatch(DraftLengthPolicy):
     only the step's cost is learned.
     """
 
+    costs: StepCosts
+
     def __init__(self, make: Callable[[int], AdaptiveDraftLength]) -> None:
         self._make = make  # the policy for a match length, before it has seen a step
         self.costs = StepCosts()
@@ -514,6 +509,12 @@ def _per_position(prior: float | Sequence[float], length: int) -> list[float]:
     return (values + [values[-1]] * length)[:length]
 
 
+# k auto's policy for a drafter, built from the acceptance its drafts start from by the length
+# of the n-gram they continue (None: drafts not keyed so).
+KAutoPolicy = AdaptiveDraftLength | DraftLengthByMatch
+KAutoFactory = Callable[[Mapping[int, Sequence[float]] | None], KAutoPolicy]
+
+
 class KAuto:
     """k auto's policy across generations. Built from the measured costs (a calibration)
     and the acceptance an earlier session left, and kept while those hold: what it learned
@@ -545,13 +546,13 @@ class KAuto:
         if match_acceptance is not None:
             self.kept = DraftLengthByMatch(lambda match: _for_match(max_k, match, prior, match_acceptance))
         else:
-            settings = {}
+            settings = AdaptiveSettings(max_k=max_k)
             if prior is not None and prior.acceptance:
-                settings = {"prior_acceptance": prior.acceptance, "prior_steps": prior.steps}
+                settings = replace(settings, prior_acceptance=prior.acceptance, prior_steps=prior.steps)
                 if prior.opening is not None:
-                    settings["opening_prior"] = prior.opening.acceptance[0]
-                    settings["opening_prior_steps"] = prior.opening.steps
-            self.kept = AdaptiveDraftLength(max_k=max_k, **settings)
+                    opening = prior.opening
+                    settings = replace(settings, opening_prior=opening.acceptance[0], opening_prior_steps=opening.steps)
+            self.kept = AdaptiveDraftLength(settings)
         if costs is not None:
             self.kept.costs.seed(costs.verify_seconds, costs.draft_seconds)
         return self.kept

@@ -8,12 +8,13 @@ the verification rule treats as a one-hot q).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from speccli.autok.costs import CostCurve
-from speccli.autok.policy import DraftLengthPolicy, FixedDraftLength, StepPlan
+from speccli.autok.plan import DraftSignal, StepPlan
+from speccli.autok.policy import DraftLengthPolicy, FixedDraftLength, KAutoFactory
 from speccli.backends.base import CausalLM
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise, gumbel_argmax
@@ -30,44 +31,95 @@ class Draft:
         return len(self.tokens)
 
 
+@dataclass(frozen=True)
+class TreeDraft:
+    """A drafted token tree, and what rides in its verification pass beside it."""
+
+    tree: TokenTree
+    # Tokens the pass carries without being drafts (lookahead's Jacobi window): the target's
+    # argmax at each comes back to the drafter in `Settled.branch_guesses`.
+    branch: Branch | None = None
+    # Prompt lookup's guess inside the tree (lookahead), to count what it alone kept.
+    guess: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a step settled: context[:length], reached along `path` (node indices) of the last
+    tree (None after a chain); `branch_guesses` when a branch rode in the pass."""
+
+    length: int
+    path: Sequence[int] | None = None
+    branch_guesses: Sequence[int] | None = None
+
+
+class FeatureReader(Protocol):
+    """A drafter that drafts from the target's features (Medusa, EAGLE): the decoder makes
+    the target keep them and hands them over."""
+
+    # Which features: None for the target's last hidden state (the output layer's input);
+    # else the inputs of these decoder layers, concatenated (EAGLE-3 reads three).
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None: ...
+
+    def features_from(self, context: Sequence[int]) -> int:
+        """The first position of `context` whose feature this drafter lacks."""
+        ...
+
+    def observe_features(self, start: int, features: torch.Tensor) -> None:
+        """features [n, hidden]: the target's, at positions start .. start + n - 1, all settled."""
+        ...
+
+
 class Drafter:
-    """Where guesses come from: everything the decoder may ask of a drafter.
+    """Where guesses come from: everything the decoder asks of a drafter.
 
     Every drafter implements `start`, `propose` and `rollback`. What else it can do it
     declares in the capability attributes below; the methods that go with a capability have
-    defaults that do nothing, which is right for a drafter without it. The decoder calls
-    the methods its step needs, without asking what the drafter is.
+    defaults that do nothing, which is right for a drafter without it. What is particular
+    to one method (lookahead's window, prompt lookup's match) lives with its drafter and
+    reaches the decoder through these members alone: the policy reads the drafter's
+    `signal`, returns a StepPlan, and the decoder carries it out.
     """
 
     name: str = "drafter"
-    # A draft model of its own: it catches up on the context before drafting (timed apart),
-    # and one-time setup inside its passes (a CUDA graph capture) is kept out of timings.
-    draft_model: CausalLM | None = None
-    # Drafts from the target's hidden states (Medusa, EAGLE): the decoder makes the target
-    # keep them and hands them over (`features_from`, `observe_features`).
-    needs_hidden: bool = False
-    # Which features: None for the target's last hidden state (the output layer's input);
-    # else the inputs of these decoder layers, concatenated (EAGLE-3 reads three).
-    feature_layers: tuple[int, ...] | None = None
     # Can propose a token tree (`propose_tree`), for `--tree`.
     drafts_trees: bool = False
-    # Drafts what followed an earlier occurrence of the context's last n-gram: k auto keeps
-    # acceptance apart by the length matched (`match_length`), starting for each length from
-    # these acceptances by draft position. None: not such a drafter.
-    match_acceptance: Mapping[int, tuple[float, ...]] | None = None
-    # Every drafting step is a tree step of its own (lookahead, with a shape): the policy
-    # plans each (`plan_step`), and a branch may ride in the pass (`branch`, `advance`).
-    always_trees: bool = False
-    # Prompt lookup's guess inside the last tree (lookahead), to count what it alone kept.
-    guess: Sequence[int] = ()
 
     @property
-    def keyed_by_match(self) -> bool:
-        return self.match_acceptance is not None
+    def draft_model(self) -> CausalLM | None:
+        """A draft model of its own: one-time setup inside its passes (a CUDA graph capture)
+        is kept out of the steps' timings."""
+        return None
+
+    @property
+    def features(self) -> FeatureReader | None:
+        """What reads the target's features, for a drafter that drafts from them."""
+        return None
 
     def start(self, context: Sequence[int]) -> None:
         """A new generation begins from `context` (state from an earlier one may be reused)."""
         raise NotImplementedError
+
+    def policy(
+        self,
+        k: int | str,
+        measured: CostCurve | None,
+        adaptive: KAutoFactory,
+    ) -> DraftLengthPolicy:
+        """The policy for a generation with draft length `k` (a number, or "auto": `adaptive`
+        builds k auto's, for drafts whose acceptance is keyed by the length of the n-gram
+        they continue given the acceptance such drafts start from), given the measured pass
+        costs (or None)."""
+        return FixedDraftLength(k) if isinstance(k, int) else adaptive(None)
+
+    def signal(self, context: Sequence[int]) -> DraftSignal:
+        """What the coming step's policy reads before it plans (prompt lookup's match)."""
+        return DraftSignal()
+
+    def prepare(self, context: Sequence[int], plan: StepPlan) -> None:
+        """Before a drafting step: the plan it carries out; a draft model reads what of the
+        context it has not (timed apart from drafting)."""
 
     def propose(
         self,
@@ -85,20 +137,6 @@ class Drafter:
         they can. A deterministic drafter ignores it."""
         raise NotImplementedError
 
-    def rollback(self, length: int) -> None:
-        """Only context[:length] is settled; forget anything drafted past it."""
-        raise NotImplementedError
-
-    def policy(
-        self, k: int | str, measured: CostCurve | None, adaptive: Callable[[], DraftLengthPolicy]
-    ) -> DraftLengthPolicy:
-        """The draft-length policy for a generation with draft length `k` (a number, or
-        "auto": `adaptive` builds k auto's), given the measured pass costs (or None)."""
-        return FixedDraftLength(k) if isinstance(k, int) else adaptive()
-
-    def catch_up(self, context: Sequence[int]) -> None:
-        """Before a drafting step: read what of the context the drafter has not read."""
-
     def propose_tree(
         self,
         context: Sequence[int],
@@ -106,38 +144,47 @@ class Drafter:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
         noise: Noise | None = None,
-    ) -> TokenTree:
+    ) -> TreeDraft:
         """A tree of candidates within `shape` (drafters with `drafts_trees`)."""
         raise NotImplementedError(f"the {self.name} drafter does not draft trees")
 
-    def settle_tree(self, path: Sequence[int], settled: int) -> None:
-        """The target accepted `path` (node indices) of the last tree, and context[:settled] is settled."""
-        self.rollback(settled)
+    def settle(self, settled: Settled) -> None:
+        """The target settled context[:settled.length] (see Settled)."""
+        self.rollback(settled.length)
 
-    def match_length(self, context: Sequence[int]) -> int:
-        """The length of the n-gram the coming draft continues (drafters `keyed_by_match`)."""
-        return 0
+    def rollback(self, length: int) -> None:
+        """Only context[:length] is settled; forget anything drafted past it."""
+        raise NotImplementedError
 
-    def features_from(self, context: Sequence[int]) -> int:
-        """The first position of `context` whose feature this drafter lacks (`needs_hidden`)."""
-        return len(context)
 
-    def observe_features(self, start: int, features: torch.Tensor) -> None:
-        """features [n, hidden]: the target's, at positions start .. start + n - 1, all settled."""
+class PlainDecoding(Drafter):
+    """No drafter: every step is a plain one."""
 
-    def plan_step(self, plan: StepPlan) -> None:
-        """The form the policy chose for the coming step (drafters with `always_trees`)."""
+    name = "none"
 
-    def pool_candidates(self, context: Sequence[int]) -> int:
-        """How many pooled guesses the coming step could offer (lookahead's n-grams)."""
-        return 0
+    def start(self, context: Sequence[int]) -> None:
+        pass
 
-    def branch(self, context: Sequence[int]) -> Branch | None:
-        """Tokens that ride in the coming tree pass without being drafts (lookahead's window)."""
-        return None
+    def policy(
+        self,
+        k: int | str,
+        measured: CostCurve | None,
+        adaptive: KAutoFactory,
+    ) -> DraftLengthPolicy:
+        return FixedDraftLength(0)
 
-    def advance(self, guesses: Sequence[int]) -> None:
-        """The target's argmax at every token of the branch that rode in the last pass."""
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        noise: Noise | None = None,
+    ) -> Draft:
+        return Draft([])
+
+    def rollback(self, length: int) -> None:
+        pass
 
 
 def draw(
@@ -147,8 +194,8 @@ def draw(
     from or None when greedy, the draft's own probability of it). With `noise`, the
     coupled draw argmax(log q + noise) (speccli.coupling)."""
     if sampling.greedy:
-        token, confidence = greedy_pick(row)
-        return int(token), None, float(confidence)
+        picked, confidence = greedy_pick(row)
+        return int(picked), None, float(confidence)
     q = warp(row, sampling)
     token = int(sample(q, generator) if noise is None else gumbel_argmax(q, noise))
     return token, q, float(q[token])

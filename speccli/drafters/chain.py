@@ -51,7 +51,7 @@ class DevicePicker:
         if self.sampling.greedy:
             return
         if self.coupled:
-            if noise is None:
+            if noise is None or self.noise is None:
                 raise ValueError("a coupled picker needs the noise of each position")
             self.noise[:steps].copy_(torch.stack([noise(i) for i in range(steps)]))
             return
@@ -64,7 +64,7 @@ class DevicePicker:
         if self.sampling.greedy:
             return (*greedy_pick(row), None)
         q = warp(row, self.sampling)
-        if self.coupled:
+        if self.noise is not None:  # coupled
             token = gumbel_argmax(q, self.noise[index]).view(1)
         else:
             token = sample_at(q, self.uniform[index])

@@ -33,7 +33,7 @@ class HeadCache:
         return 0 if self.keys is None else int(self.keys.shape[2])
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             self.keys, self.values = keys, values
         else:
             self.keys = torch.cat([self.keys, keys], dim=2)
@@ -43,7 +43,7 @@ class HeadCache:
     def crop(self, count: int) -> None:
         """As transformers' DynamicCache.crop: a negative count removes that many entries from
         the end, a positive one keeps that many."""
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             keep = len(self) + count if count < 0 else count
             self.keys = self.keys[:, :, : max(0, keep)]
             self.values = self.values[:, :, : max(0, keep)]
@@ -96,24 +96,34 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
+class Eagle3Layer(nn.Module):
+    """The head's one decoder layer, whose input is [normed embedding, normed feature]."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=eps)
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = LlamaMLP(config)
+
+
 class Eagle3Head(nn.Module):
     """Module names follow the published files (`fc`, `midlayer.*`, `norm`, `lm_head`), so
     their state dicts load as they are; `d2t`/`t2d` are read apart (the draft vocabulary)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
         hidden = config.hidden_size
         eps = config.rms_norm_eps
         features = 3 * (getattr(config, "target_hidden_size", None) or hidden)
         self.fc = nn.Linear(features, hidden, bias=False)
-        self.midlayer = nn.Module()
-        self.midlayer.input_layernorm = LlamaRMSNorm(hidden, eps=eps)
-        self.midlayer.hidden_norm = LlamaRMSNorm(hidden, eps=eps)
-        self.midlayer.post_attention_layernorm = LlamaRMSNorm(hidden, eps=eps)
-        self.midlayer.self_attn = Eagle3Attention(config)
-        self.midlayer.mlp = LlamaMLP(config)
+        self.midlayer = Eagle3Layer(config)
         self.norm = LlamaRMSNorm(hidden, eps=eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary = LlamaRotaryEmbedding(config)

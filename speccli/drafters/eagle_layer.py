@@ -73,7 +73,7 @@ class EagleHead(nn.Module):
     def init_from_target(self, target: nn.Module) -> None:
         """Start from the target's last decoder layer and final norm, and an fc that passes
         the feature through: a head that at first reads its input as the target's top layer would."""
-        base = target.base_model
+        base: Any = target.base_model  # a transformers model's decoder stack
         with torch.no_grad():
             self.body.layers[0].load_state_dict(unfused_state_dict(base.layers[-1]))
             self.body.norm.load_state_dict(base.norm.state_dict())
@@ -109,6 +109,8 @@ class EagleHead(nn.Module):
 class OutputRows(nn.Module):
     """The target's output rows for a draft vocabulary [len(vocab), hidden], as a layer:
     a feature's logits over that vocabulary."""
+
+    rows: torch.Tensor
 
     def __init__(self, rows: torch.Tensor) -> None:
         super().__init__()

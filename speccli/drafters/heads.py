@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from speccli.backends.base import Chain, common_prefix_length, pick_chain
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
-from speccli.drafters.base import Draft, Drafter, draw
+from speccli.drafters.base import Draft, Drafter, FeatureReader, TreeDraft, draw
 from speccli.drafters.chain import Pickers, until_unsure
 from speccli.drafters.trees import TreeSource, feed_window, grow_tree
 from speccli.drafters.eagle3_layer import Eagle3Head
@@ -28,6 +28,12 @@ from speccli.drafters.eagle_layer import EagleHead, additive_mask
 from speccli.drafters.medusa_heads import MedusaHeads
 from speccli.drafters.draft_vocab import DraftVocab
 from speccli.tree import ROOT, TokenTree, TreeShape
+
+
+class CroppedCache(Protocol):
+    """A head's KV cache (transformers' DynamicCache, or EAGLE-3's HeadCache)."""
+
+    def crop(self, count: int) -> None: ...
 
 
 class HeadPasses:
@@ -49,8 +55,12 @@ class MedusaDrafter(HeadPasses, Drafter):
     feature of the last settled position: one small pass for the whole draft."""
 
     name = "medusa"
-    needs_hidden = True
     drafts_trees = True
+    feature_layers: tuple[int, ...] | None = None  # the target's last hidden state
+
+    @property
+    def features(self) -> FeatureReader:
+        return self
 
     def __init__(self, heads: MedusaHeads, vocab: DraftVocab, dtype: torch.dtype | None = None) -> None:
         self.heads = heads.eval()
@@ -104,17 +114,17 @@ class MedusaDrafter(HeadPasses, Drafter):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
         noise: Noise | None = None,
-    ) -> TokenTree:
+    ) -> TreeDraft:
         """A tree as Medusa drafts one: each depth's nodes offer the top candidates of
         that depth's head (the heads read the same feature, so every node at a depth has
         the same children's distribution); the most probable paths are kept."""
         if self._feature is None or self._position != len(context) - 2:
-            return TokenTree([], [])
+            return TreeDraft(TokenTree([], []))
         with torch.inference_mode():
             rows = [self.vocab.to_target(row) for row in self._pass(self.heads, self._feature.to(self.dtype))]
         shape = replace(shape, max_depth=min(shape.max_depth, len(rows)))
         source = _FixedRows(rows)
-        return grow_tree(source, context, shape, sampling, generator, noise)[0]
+        return TreeDraft(grow_tree(source, context, shape, sampling, generator, noise)[0])
 
     def rollback(self, length: int) -> None:
         if self._position > length - 1:
@@ -152,8 +162,11 @@ class EagleDrafter(HeadPasses, Drafter):
     entries are dropped at the next step."""
 
     name = "eagle"
-    needs_hidden = True
     drafts_trees = True
+
+    @property
+    def features(self) -> FeatureReader:
+        return self
 
     def __init__(
         self,
@@ -173,7 +186,9 @@ class EagleDrafter(HeadPasses, Drafter):
         one copy to the host per draft (None: on CUDA, where a copy waits for the GPU)."""
         self.dtype = dtype or next(head.parameters()).dtype
         self.head = head.eval().to(self.dtype)
-        self.device = embeddings.weight.device
+        weight = embeddings.weight
+        assert isinstance(weight, torch.Tensor)
+        self.device = weight.device
         self.vocab = replace(vocab, ids=vocab.ids.to(self.device))  # to_target reads them every step
         self.embeddings = embeddings
         self.output = output.to(self.dtype)
@@ -184,7 +199,7 @@ class EagleDrafter(HeadPasses, Drafter):
         self._reset()
 
     def _reset(self) -> None:
-        self._cache = None
+        self._cache: CroppedCache | None = None
         self._entries = 0  # cache entries, drafted ones included
         self._real = 0  # cache entries fed real features (positions 0 .. _real - 1)
         self._seen: list[int] = []  # the tokens the real entries read: context[: _real + 1]
@@ -194,7 +209,7 @@ class EagleDrafter(HeadPasses, Drafter):
     def _crop(self, entries: int) -> None:
         if entries >= self._entries:
             return
-        if entries == 0:
+        if entries == 0 or self._cache is None:
             self._cache = None
         else:
             self._cache.crop(entries - self._entries)  # transformers 5: a negative count removes
@@ -314,7 +329,7 @@ class EagleDrafter(HeadPasses, Drafter):
         pending = 0 if self._pending is None else len(self._pending)
         if self._real + pending != n - 1:
             return None  # features missing (a gap the decoder did not fill)
-        if pending:
+        if self._pending is not None and pending:
             predicted = self._step(self._pending, context[self._real + 1 : n], self._real)
             self._seen = list(context[:n])
             self._real, self._pending = n - 1, None
@@ -328,15 +343,15 @@ class EagleDrafter(HeadPasses, Drafter):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
         noise: Noise | None = None,
-    ) -> TokenTree:
+    ) -> TreeDraft:
         """A tree as EAGLE-2 drafts one: the most probable nodes of each depth are fed to
         the head together (each sees the context's entries and its own ancestors), and the
         nodes of highest path probability are kept (speccli.drafters.trees)."""
         with torch.inference_mode():
             feature = self._root(context)
             if feature is None:
-                return TokenTree([], [])
-            return grow_tree(_EagleSource(self, feature), context, shape, sampling, generator, noise)[0]
+                return TreeDraft(TokenTree([], []))
+            return TreeDraft(grow_tree(_EagleSource(self, feature), context, shape, sampling, generator, noise)[0])
 
     def _logits(self, feature: torch.Tensor) -> torch.Tensor:
         return self.vocab.to_target(self._pass(self.output, feature))

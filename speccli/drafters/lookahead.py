@@ -23,17 +23,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from speccli.autok.costs import CostCurve
-from speccli.autok.lookahead import DEFAULT_SHAPE, LookaheadGate, LookaheadShape, choose_shape
-from speccli.autok.policy import DraftLengthPolicy, FixedDraftLength, StepPlan
+from speccli.autok.lookahead import DEFAULT_SHAPE, FixedLookahead, LookaheadGate, LookaheadShape, choose_shape
+from speccli.autok.plan import DraftSignal, StepPlan
+from speccli.autok.policy import DraftLengthPolicy, FixedDraftLength, KAutoFactory
 from speccli.backends.base import common_prefix_length
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
-from speccli.drafters.base import Drafter
+from speccli.drafters.base import Draft, Drafter, Settled, TreeDraft
 from speccli.drafters.ngram import LOOKUP_ACCEPTANCE, PromptLookupDrafter
 from speccli.drafters.trees import trie
 from speccli.tree import Branch, TokenTree, TreeShape
@@ -47,7 +48,6 @@ class LookaheadDrafter(Drafter):
 
     name = "lookahead"
     drafts_trees = True
-    match_acceptance = LOOKUP_ACCEPTANCE  # the steps k auto gives to prompt lookup
 
     def __init__(self, shape: LookaheadShape | None = DEFAULT_SHAPE) -> None:
         self.shape = shape
@@ -61,53 +61,53 @@ class LookaheadDrafter(Drafter):
         self.pool_verified = True  # this lookahead step's tree offers the pool's n-grams
         self.window_rides = True  # and the window rides along it
         self.guess_length: int | None = None  # prompt lookup's guess in a lookahead step (None: see _lookup_guess)
-        self.guess: list[int] = []  # that guess, in the last lookahead step's tree
-
-    @property
-    def always_trees(self) -> bool:
-        """With a shape, a lookahead step verifies a tree (the pool's n-grams and prompt
-        lookup's guess) and carries the lookahead branch; without one, steps are prompt
-        lookup's (`propose`, `propose_tree`)."""
-        return self.shape is not None
 
     def policy(
-        self, k: int | str, measured: CostCurve | None, adaptive: Callable[[], DraftLengthPolicy]
+        self,
+        k: int | str,
+        measured: CostCurve | None,
+        adaptive: KAutoFactory,
     ) -> DraftLengthPolicy:
         """The shape comes from the measured costs (k auto) or from k (the n-gram's
         continuation length); no shape: plain decoding with k 0, prompt lookup's steps with
         k auto (`adaptive`: prompt lookup's k auto, as `--draft ngram` drafts), so that
         lookahead is never below prompt lookup. Where a shape pays, k auto adds the window
-        and the pool to prompt lookup's steps where they pay (LookaheadGate)."""
+        and the pool to prompt lookup's steps where they pay (LookaheadGate). With a shape, a
+        lookahead step verifies a tree (the pool's n-grams and prompt lookup's guess) and
+        carries the lookahead branch."""
         if isinstance(k, int):
             shape = replace(DEFAULT_SHAPE, ngram=k + 1) if k > 0 else None
             self.configure(shape)
-            return FixedDraftLength(shape.ngram - 1 if shape else 0)
+            return FixedLookahead(shape.ngram - 1) if shape else FixedDraftLength(0)
         shape = choose_shape(measured)
         self.configure(shape)
-        lookup = adaptive()
+        lookup = adaptive(LOOKUP_ACCEPTANCE)  # prompt lookup's k auto, its acceptance by match
         if shape is None:
             return lookup
         return LookaheadGate(shape, lookup, measured)
 
-    def plan_step(self, plan: StepPlan) -> None:
-        """Whether the next step is prompt lookup's (`LookaheadGate` holds lookahead back):
-        its tree, with `--tree`, is prompt lookup's, and no window rides along. For a
-        lookahead step, `plan.guess_length` is how long a guess prompt lookup's k auto
-        drafts (None: the guess's length follows what came true, see `_lookup_guess`),
-        `plan.pool` whether its tree offers the pool's n-grams beside the guess and
-        `plan.window` whether the window rides along."""
-        self.held = not plan.lookahead
-        self.guess_length = plan.guess_length
-        self.pool_verified = plan.pool
-        self.window_rides = plan.window
+    def prepare(self, context: Sequence[int], plan: StepPlan) -> None:
+        """Whether the step is prompt lookup's (no `plan.lookahead`: `LookaheadGate` holds
+        lookahead back): its tree, with `--tree`, is prompt lookup's, and no window rides
+        along. For a lookahead step, `guess_length` is how long a guess prompt lookup's k
+        auto drafts (None: the guess's length follows what came true, see `_lookup_guess`),
+        `pool` whether its tree offers the pool's n-grams beside the guess and `window`
+        whether the window rides along."""
+        lookahead = plan.lookahead
+        self.held = lookahead is None
+        if lookahead is not None:
+            self.guess_length = lookahead.guess_length
+            self.pool_verified = lookahead.pool
+            self.window_rides = lookahead.window
 
-    def pool_candidates(self, context: Sequence[int]) -> int:
-        """How many of the pool's n-grams a lookahead step would offer now: those that
-        start with the pending token, up to G."""
-        if self.shape is None:
-            return 0
-        self._index(context)
-        return min(self.shape.guesses, len(self.pool.get(context[-1], ())))
+    def signal(self, context: Sequence[int]) -> DraftSignal:
+        """Prompt lookup's match, and how many of the pool's n-grams a lookahead step would
+        offer now: those that start with the pending token, up to G."""
+        pooled = 0
+        if self.shape is not None:
+            self._index(context)
+            pooled = min(self.shape.guesses, len(self.pool.get(context[-1], ())))
+        return DraftSignal(match=self.lookup.match_length(context), pooled=pooled)
 
     def configure(self, shape: LookaheadShape | None) -> None:
         if shape != self.shape:
@@ -165,11 +165,14 @@ class LookaheadDrafter(Drafter):
         if len(entries) > POOL_PER_TOKEN:
             entries.popitem(last=False)
 
-    def match_length(self, context: Sequence[int]) -> int:
-        """Prompt lookup's match, for the steps without lookahead (see PromptLookupDrafter)."""
-        return self.lookup.match_length(context)
-
-    def propose(self, context, k, sampling, generator, noise=None):  # noqa: ANN001 - the Drafter protocol
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        noise: Noise | None = None,
+    ) -> Draft:
         """As a chain, for the steps without lookahead (no shape pays, or the gate holds
         lookahead back): prompt lookup's draft, k tokens, as `--draft ngram` drafts."""
         return self.lookup.propose(context, k, sampling, generator, noise)
@@ -181,22 +184,21 @@ class LookaheadDrafter(Drafter):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
         noise: Noise | None = None,
-    ) -> TokenTree:
+    ) -> TreeDraft:
         """Prompt lookup's guess, then the pool's n-grams that start with the pending token,
-        the latest first."""
-        self.guess = []
+        the latest first, and the window to ride along (`branch`)."""
         if self.shape is None or self.held:
             return self.lookup.propose_tree(context, shape, sampling, generator, noise)  # `--tree` without lookahead
         if shape.max_depth <= 0:
-            return TokenTree([], [])
+            return TreeDraft(TokenTree([], []), self.branch(context))
         self._index(context)
-        entries = self.pool.get(context[-1], {}) if self.pool_verified else {}
-        latest = [list(c[: shape.max_depth]) for c in reversed(list(entries))][: self.shape.guesses]
+        entries: Sequence[tuple[int, ...]] = list(self.pool.get(context[-1], {})) if self.pool_verified else []
+        latest = [list(c[: shape.max_depth]) for c in reversed(entries)][: self.shape.guesses]
         if self.guess_length is None:
-            self.guess = self._lookup_guess(context, shape.max_nodes)
+            guess = self._lookup_guess(context, shape.max_nodes)
         else:
-            self.guess = self.lookup.propose(context, self.guess_length, SamplingConfig(), None).tokens
-        return trie([self.guess, *latest], shape.max_nodes)
+            guess = self.lookup.propose(context, self.guess_length, SamplingConfig(), None).tokens
+        return TreeDraft(trie([guess, *latest], shape.max_nodes), self.branch(context), guess)
 
     def branch(self, context: Sequence[int]) -> Branch | None:
         """This pass's lookahead branch (None without a shape, while held, or where the window does not ride)."""
@@ -208,8 +210,8 @@ class LookaheadDrafter(Drafter):
             self.levels = [(start * width)[:width]]
         tokens: list[int] = []
         offsets: list[int] = []
-        for level, row in enumerate(self.levels):
-            tokens += row
+        for level, guesses in enumerate(self.levels):
+            tokens += guesses
             offsets += [1 + column + level for column in range(width)]
         visible = torch.zeros((len(tokens), len(tokens)), dtype=torch.bool)
         for level in range(len(self.levels)):
@@ -223,6 +225,8 @@ class LookaheadDrafter(Drafter):
     def advance(self, guesses: Sequence[int]) -> None:
         """The target's argmax for every branch token (in branch order): the newest level's
         become a new level, and full columns become n-grams."""
+        if self.shape is None:
+            raise ValueError("lookahead without a shape has no window to advance")
         width = self.shape.window
         newest = list(guesses[-width:])
         if len(self.levels) == self.shape.ngram - 1:
@@ -230,6 +234,12 @@ class LookaheadDrafter(Drafter):
                 self._remember(tuple(row[column] for row in self.levels) + (newest[column],))
             self.levels = self.levels[1:]
         self.levels.append(newest)
+
+    def settle(self, settled: Settled) -> None:
+        """The window advances by what the target guessed at it, where it rode in the pass."""
+        if settled.branch_guesses is not None:
+            self.advance(settled.branch_guesses)
+        self.rollback(settled.length)
 
     def rollback(self, length: int) -> None:
         """The pool holds guesses, right or wrong, and the window is relative to the

@@ -40,7 +40,9 @@ class MedusaHeads(nn.Module):
         """Copy the target's output rows [vocab_size, hidden] (the draft vocabulary's) into every head."""
         with torch.no_grad():
             for out in self.out:
-                out.weight.copy_(rows.to(out.weight.dtype))
+                weight = out.weight
+                assert isinstance(weight, torch.Tensor)
+                weight.copy_(rows.to(weight.dtype))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [heads, ..., vocab_size] over the draft vocabulary."""

@@ -8,13 +8,14 @@ from typing import Sequence
 
 import torch
 
+from speccli.autok.plan import StepPlan
 from speccli.backends.base import CausalLM, common_prefix_length
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
-from speccli.drafters.base import Draft, Drafter, align_vocab, draw
+from speccli.drafters.base import Draft, Drafter, Settled, TreeDraft, align_vocab, draw
 from speccli.drafters.chain import Pickers, until_unsure
 from speccli.drafters.trees import GrownTree, TreeSource, feed_window, grow_tree
-from speccli.tree import TokenTree, TreeShape
+from speccli.tree import TreeShape
 
 # transformers' default for its assistant. Under k auto the threshold barely matters (thresholds
 # from 0 to 0.6 decoded within run-to-run noise of each other), since the adaptive k already keeps
@@ -83,12 +84,12 @@ class ModelDrafter(Drafter):
 
     def start(self, context: Sequence[int]) -> None:
         """Reuse what the cache shares with the context. The rest is read only when a draft
-        is first asked for (`catch_up`): where drafting never pays (k auto stays at 0), the
+        is first asked for (`prepare`): where drafting never pays (k auto stays at 0), the
         draft model costs nothing, not even the prompt."""
         settled = self.readable(context[:-1])
         self.model.rollback(common_prefix_length(self.model.cached_tokens, settled))
 
-    def catch_up(self, context: Sequence[int]) -> None:
+    def prepare(self, context: Sequence[int], plan: StepPlan) -> None:
         """Feed the draft, in one pass, the context it has not read (the prompt, the tokens of
         plain steps) but the last token, whose logits drafting computes. The decoder times
         this apart from drafting: it is a cost of the text, not of each drafted token."""
@@ -148,22 +149,25 @@ class ModelDrafter(Drafter):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
         noise: Noise | None = None,
-    ) -> TokenTree:
+    ) -> TreeDraft:
         """A tree of candidates, branching where the draft is unsure (see
         speccli.drafters.trees). The draft's cache holds the nodes it was fed until
-        `settle_tree` keeps the accepted path."""
+        `settle` keeps the accepted path."""
         self._grown = grow_model_tree(self, context, shape, sampling, generator, noise)
-        return self._grown.tree
+        return TreeDraft(self._grown.tree)
 
-    def settle_tree(self, path: Sequence[int], settled: int) -> None:
-        """The target accepted `path` of the last tree: keep what the draft was fed of it
-        (a prefix: the expanded nodes), forget the rest, so that the next step does not
-        feed the draft those tokens again."""
+    def settle(self, settled: Settled) -> None:
+        """After a tree, the target accepted `settled.path` of it: keep what the draft was
+        fed of it (a prefix: the expanded nodes), forget the rest, so that the next step
+        does not feed the draft those tokens again."""
+        if settled.path is None:
+            self.rollback(settled.length)
+            return
         grown, self._grown = self._grown, None
         if grown is None:
             return
         offsets = []
-        for node in path:
+        for node in settled.path:
             if node not in grown.cached:
                 break
             offsets.append(grown.cached[node])

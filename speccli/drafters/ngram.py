@@ -3,18 +3,18 @@ the context. No model pass; the proposal is deterministic (a one-hot q)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
+from speccli.autok.costs import CostCurve
+from speccli.autok.plan import DraftSignal
+from speccli.autok.policy import DraftLengthPolicy, KAutoFactory
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
+from speccli.drafters.base import Draft, Drafter, TreeDraft
 from speccli.drafters.trees import trie
 from speccli.tree import TokenTree, TreeShape
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
-from speccli.drafters.base import Draft, Drafter
 
 # Earlier occurrences of an n-gram prompt lookup remembers (the latest ones): each can
 # offer a branch of a tree.
@@ -39,7 +39,6 @@ class PromptLookupDrafter(Drafter):
 
     name = "ngram"
     drafts_trees = True
-    match_acceptance = LOOKUP_ACCEPTANCE
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -58,6 +57,18 @@ class PromptLookupDrafter(Drafter):
 
     def start(self, context: Sequence[int]) -> None:
         self._reset()
+
+    def policy(
+        self,
+        k: int | str,
+        measured: CostCurve | None,
+        adaptive: KAutoFactory,
+    ) -> DraftLengthPolicy:
+        """k auto keeps acceptance apart by the length matched (DraftLengthByMatch)."""
+        return super().policy(k, measured, lambda _: adaptive(LOOKUP_ACCEPTANCE))
+
+    def signal(self, context: Sequence[int]) -> DraftSignal:
+        return DraftSignal(match=self.match_length(context))
 
     def _extend_index(self, context: Sequence[int]) -> None:
         # An n-gram ending at `end` has a continuation iff end < len(context).
@@ -100,11 +111,11 @@ class PromptLookupDrafter(Drafter):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
         noise: Noise | None = None,
-    ) -> TokenTree:
+    ) -> TreeDraft:
         """The continuations of several earlier occurrences, the longest matching n-grams'
         and the latest first, merged into a tree."""
         if shape.max_depth <= 0:
-            return TokenTree([], [])
+            return TreeDraft(TokenTree([], []))
         self._extend_index(context)
         length = len(context)
         continuations: list[list[int]] = []
@@ -115,7 +126,7 @@ class PromptLookupDrafter(Drafter):
                 continuation = list(context[end : end + shape.max_depth])
                 if continuation not in continuations:
                     continuations.append(continuation)
-        return trie(continuations, shape.max_nodes)
+        return TreeDraft(trie(continuations, shape.max_nodes))
 
     def rollback(self, length: int) -> None:
         if length < self._indexed_upto:

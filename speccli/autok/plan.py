@@ -1,0 +1,49 @@
+"""What the policy decides before each step, and what it decides it from: the decoder asks
+the drafter for its signal, the policy turns it into a plan, the decoder carries the plan out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from speccli.autok.costs import CostCurve
+
+
+@dataclass(frozen=True)
+class DraftSignal:
+    """What a drafter can say about the coming step before drafting it."""
+
+    match: int = 0  # the length of the n-gram prompt lookup's draft would continue (0: none)
+    pooled: int = 0  # lookahead's pooled n-grams that start with the pending token
+
+
+@dataclass(frozen=True)
+class LookaheadPlan:
+    """The parts of a lookahead step (speccli.drafters.lookahead) beside its tree."""
+
+    guess_length: int | None = None  # prompt lookup's guess in the tree (None: the drafter's own rule)
+    pool: bool = True  # the tree offers the pool's n-grams
+    window: bool = True  # the Jacobi window rides along the pass
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: draft k tokens as a chain or as a tree k deep (0: a plain step), a tree
+    sized by `costs`, and with `lookahead` the window and the pool in the pass."""
+
+    k: int = 0
+    tree: bool = False
+    costs: CostCurve | None = None  # the live step costs that size a tree (None: the calibration's)
+    lookahead: LookaheadPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise ValueError(f"k must be >= 0, got {self.k}")
+
+    @property
+    def method(self) -> str:
+        """How the step drafts: plain, chain, tree or lookahead."""
+        if self.k == 0:
+            return "plain"
+        if self.lookahead is not None:
+            return "lookahead"
+        return "tree" if self.tree else "chain"
