@@ -74,10 +74,8 @@ def choose_shape(costs: CostCurve | None) -> LookaheadShape | None:
     measurements. LookaheadGate then takes the chosen shape's steps where they pay.
 
     A one-token pass is priced as LookaheadGate prices it (no dearer than any larger pass),
-    so a chosen shape's window rides where prompt lookup guesses nothing: priced at its
-    own measurement, a noisy one-token pass that timed dearer than a two-token one chose a
-    window the gate then kept off there and let ride beside prompt lookup's guesses only,
-    where the pool it fed went stale and lookahead fell behind `--draft ngram`."""
+    so a chosen shape's window rides where prompt lookup guesses nothing (docs/k-auto.md,
+    "Why it is built this way")."""
     if costs is None or costs.measured(1) is None:
         return DEFAULT_SHAPE
     one_token = costs.cautious(1)
@@ -115,10 +113,7 @@ class LookaheadGate(DraftLengthPolicy):
     - The window brings nothing in the step that carries it: its n-grams pay in later
       steps, from the pool. So it is judged by what the window and the pool were measured
       to bring when the window rode every step, `window_value` (the prior, `window_gain`):
-      (e + window_value) / cost(fed + window) > e / cost(fed). Judging it by what lookahead
-      steps added as they came kept a free window off: a step right after the window was
-      off finds a stale pool, so most steps ran without it, where the window riding every
-      step made more tokens per second than prompt lookup alone.
+      (e + window_value) / cost(fed + window) > e / cost(fed).
     - The pool's n-grams pay in the step that offers them: what they added beyond the
       guess, `gain` tokens per step that offered some (each step says how many of its
       accepted tokens the guess alone had), pays for their tokens:
@@ -126,9 +121,8 @@ class LookaheadGate(DraftLengthPolicy):
 
     So lookahead's steps are prompt lookup's where the window and the pool cost more than
     they bring (a CPU whose passes grow with the tokens fed), and carry more where tokens
-    are nearly free (a GPU with graphs, a CPU with bfloat16 matrix units). Comparing with
-    plain decoding instead kept the window on where prompt lookup's own steps paid better,
-    and lookahead fell behind `--draft ngram`.
+    are nearly free (a GPU with graphs, a CPU with bfloat16 matrix units). Why these two
+    comparisons and not others: docs/k-auto.md, "Why it is built this way".
 
     While the pool is not offered its gain is not measured: after `probe_every` steps that
     could have offered some (doubled after each probe after which it still did not pay, up

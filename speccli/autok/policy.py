@@ -75,13 +75,9 @@ class StepCosts:
     Seeded with a calibration, a size the session has not fed yet costs its calibrated
     seconds times `level`, how fast the machine runs now against when it calibrated (every
     step refines it: longer contexts, another load on a shared machine); a size it has fed
-    follows its own measurements, from there. Steps mostly feed one size: refreshing that
-    size alone left the others at the calibration's level, so on a machine running slower
-    than when it calibrated, larger passes looked far cheaper against a one-token pass than
-    they were. And the sizes a policy keeps choosing must follow what they really cost: a
-    calibration's noise makes some sizes look cheaper than they are, and those are the ones
-    chosen. Without a calibration, or for sizes it did not
-    measure, each size follows its own measurements alone."""
+    follows its own measurements, from there (docs/k-auto.md, "Why it is built this way").
+    Without a calibration, or for sizes it did not measure, each size follows its own
+    measurements alone."""
 
     smoothing: float = 0.3
     max_jump: float = 3.0
@@ -213,9 +209,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
     apart); each probe in a row whose first drafted token is rejected doubles the spacing
     (up to `max_backoff` doublings), and any other drafting step resets it. A probe must
     promise, under that hopeful acceptance, at least `probe_min_gain` times plain decoding's
-    tokens per second: where even a good draft would gain less (a CPU whose pass cost grows
-    with every token fed, a slow draft), what probes cost in a session (reading the text
-    the draft skipped, the passes' spread around their mean) outweighs what they could find.
+    tokens per second.
 
     The prior is the acceptance by position to start from: a number, or one per position
     (the last standing for the positions after it), such as what an earlier session with
@@ -223,14 +217,11 @@ class AdaptiveDraftLength(DraftLengthPolicy):
     it stands for.
 
     The first step of a generation (`begin`) drafts the answer's first token, which the
-    draft gets wrong far more often than any later one (the real pair, float32: half the
-    time, against about one step in five later on). Its first position is learned apart
-    (the opening acceptance, shrunk towards the first position's), and does not count
-    against the rest: one wrong opening guess made every later step look worse, and on a
-    curve where drafting only pays for a good draft, a one-shot generation that opened
-    with a rejection decoded plain until its next probe, tens of steps later. An earlier
-    session's opening rate (`opening_prior`, worth `opening_prior_steps` openings) is
-    where the opening estimate starts, and what it learned is left to the next one.
+    draft gets wrong far more often than any later one. Its first position is learned
+    apart (the opening acceptance, shrunk towards the first position's), and does not count
+    against the rest. An earlier session's opening rate (`opening_prior`, worth
+    `opening_prior_steps` openings) is where the opening estimate starts, and what it
+    learned is left to the next one. Why each rule: docs/k-auto.md.
     """
 
     costs: StepCosts

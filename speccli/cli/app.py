@@ -221,8 +221,8 @@ CpuLinearOpt = Annotated[
     typer.Option(
         "--cpu-linear",
         help=(
-            "auto: float32 linear layers on the CPU run through oneDNN (same float32 math, passes 1.5-2.5x faster "
-            "than PyTorch's default there), and in bfloat16 a one-token pass multiplies its row as two rows where "
+            "auto: float32 linear layers on the CPU run through oneDNN (same float32 math, faster passes than "
+            "PyTorch's default there), and in bfloat16 a one-token pass multiplies its row as two rows where "
             "that is measured faster (PyTorch's one-row bf16 kernel is the slower on some CPUs); stock: PyTorch's "
             "default kernels."
         ),
@@ -234,7 +234,7 @@ CudaGraphsOpt = Annotated[
         "--cuda-graphs",
         help=(
             "auto: on CUDA, bfloat16/float16 and 4/8-bit models decode over a static KV cache replayed as CUDA "
-            "graphs (2-5x faster passes); off: transformers' DynamicCache, as on the CPU."
+            "graphs (faster passes); off: transformers' DynamicCache, as on the CPU."
         ),
     ),
 ]

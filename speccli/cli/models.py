@@ -305,8 +305,7 @@ def train(
             "EAGLE: drafting steps unrolled in training (EAGLE-3's training-time test): step s learns from the "
             "features the head itself predicted, as it drafts at depth s, so tokens past the first are guessed "
             "better. Each step costs one more pass of the head over the text: 3 steps train in about 3 times as "
-            "long as 1 (15 minutes against 5 on a 2-core CPU in bfloat16), and lift held-out accuracy at depths 2 "
-            "and 3 from 51% and 48% to 69% and 77%. Default: 3."
+            "long as 1 (figures: BENCHMARKS.md). Default: 3."
         ),
     ),
     vocab: int = typer.Option(

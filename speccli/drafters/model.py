@@ -17,9 +17,7 @@ from speccli.drafters.chain import Pickers, until_unsure
 from speccli.drafters.trees import GrownTree, TreeSource, feed_window, grow_tree
 from speccli.tree import TreeShape
 
-# transformers' default for its assistant. Under k auto the threshold barely matters (thresholds
-# from 0 to 0.6 decoded within run-to-run noise of each other), since the adaptive k already keeps
-# drafts short where they fail. It matters more where k is fixed.
+# transformers' default for its assistant (why: docs/k-auto.md, "Why it is built this way").
 DEFAULT_STOP_CONFIDENCE = 0.4
 
 

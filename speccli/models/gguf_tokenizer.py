@@ -36,8 +36,8 @@ def _tokenizer_cache_folder(resolved: ResolvedModel, cache_dir: Path) -> tuple[P
         stat = path.stat()
     except OSError:
         return None
-    # Reading the header to find the folder took 0.4 s a file (151k vocabulary strings
-    # skipped), on every start: what it found is kept by the file's identity.
+    # Reading the header to find the folder would cost every start a pass over the file's
+    # vocabulary: what it found is kept by the file's identity.
     identity = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "transformers": transformers.__version__}
     index = folders / "files.json"
     found = offline.read_json_object(index).get(str(path.resolve()))

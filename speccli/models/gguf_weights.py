@@ -136,8 +136,8 @@ def state_dict(
 @contextlib.contextmanager
 def _name_maps_built_once():
     """transformers' get_gguf_hf_weights_map asks the `gguf` package for its tensor name map
-    once per submodule (319 times for the 0.5B draft: 2.7 s), which depends only on the
-    architecture and the layer count: build each once while it runs."""
+    once per submodule (hundreds of times for a small model, seconds in all), which depends
+    only on the architecture and the layer count: build each once while it runs."""
     real = gguf.get_tensor_name_map
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real)
     try:

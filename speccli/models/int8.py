@@ -39,10 +39,10 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     """Replace every nn.Linear of a float32 model on the CPU with a dynamically quantized
     int8 one (per-tensor weights, activations quantized per call). Returns the model.
 
-    The same modules as ``torch.ao.quantization.quantize_dynamic`` gives, about 2.5x faster
-    (4.0 s -> 1.5 s for the 0.5B draft on a 2-core Xeon): its modules pack an empty matrix
-    of the full size before the real one (half its time), and packing runs in C++ without
-    the GIL, so the layers are quantized on a thread per core."""
+    The same modules as ``torch.ao.quantization.quantize_dynamic`` gives, faster: its
+    modules pack an empty matrix of the full size before the real one, and packing runs in
+    C++ without the GIL, so the layers are quantized on a thread per core (timings:
+    BENCHMARKS.md, "Figures behind options")."""
     linears = [
         (parent, name, child)
         for parent in model.modules()

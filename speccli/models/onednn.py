@@ -266,8 +266,7 @@ MAX_STOCK_ROWS = 8  # row counts judged: a decode step's passes; prompts go to o
 # faster with PyTorch's kernel for the fewest rows, and a pass runs dozens of them.
 MIN_TIMED_FLOAT32_WEIGHT = 1 << 18
 # How many loads' findings decide together (their lower median). One, as for REMEMBERED_RATIOS:
-# with seven, each of the first seven float32 starts of the default pair spent 13-20 s timing
-# (later starts of 26-35 s where they take 11 s, with the CPU limited to AVX2).
+# with more, each of the first starts spends seconds timing (BENCHMARKS.md, "Figures behind options").
 REMEMBERED_STOCK_ROWS = 1
 # Bytes of weights one timing multiplies by: far beyond a CPU's last-level cache, so that each
 # timing reads its weights from memory as a pass does, without reading all of a large

@@ -249,8 +249,8 @@ def weight_sizes(alias_name: str, cache_dir) -> dict[str, int]:
     config = _local_config(alias_name, cache_dir) or shape_config(ALIASES[alias_name].hub_id)
     assert config is not None, f"no shapes registered for {alias_name}"  # every alias has them (tests/test_shapes.py)
     one, two = (_with_layers(config, layers) for layers in (1, 2))
-    # The layers are all alike: the weights of one and of two give the rest. Building each
-    # alias's whole meta model took five seconds of every `specgen models` (a 70B's, 0.13 s).
+    # The layers are all alike: the weights of one and of two give the rest, without building
+    # each alias's whole meta model on every `specgen models`.
     sizes = {}
     for name, quant in WEIGHT_FORMATS:
         first, second = (memory_need(model, quant, torch.bfloat16).weights for model in (one, two))
