@@ -3,7 +3,7 @@
     python scripts/argmax_flips.py --dtype bfloat16 --prompts scripts/prompts/default.jsonl
 
 For each prompt the target decodes greedily (plain, one token a pass); then, with the
-output layer's top logits in float32 (speccli.models.precise_logits) and without, the same
+output layer's top logits in float32 (speccli.models.kernels.precise_logits) and without, the same
 text is scored again one token a pass and in passes of W tokens (as a verification of W - 1
 drafts feeds them), and every position where the two argmaxes differ is counted: a place
 where speculative and plain decoding could part (a near-tie). In float32 there should be
@@ -22,8 +22,8 @@ import torch
 
 from speccli.bench.prompts import encode_bench_prompt, load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
-from speccli.models.cpu import cpu_name
-from speccli.models.precise_logits import set_precise_logits
+from speccli.models.kernels.cpu import cpu_name
+from speccli.models.kernels.precise_logits import set_precise_logits
 from speccli.pipeline import load_pipeline
 
 DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "default.jsonl"

@@ -37,7 +37,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from speccli.models.cpu import cpu_name  # noqa: E402
+from speccli.models.kernels.cpu import cpu_name  # noqa: E402
 
 READY = re.compile(r"serving (\S+) at (http://\S+)/v1")
 

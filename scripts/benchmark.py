@@ -29,7 +29,7 @@ prompt, so slow drift of the machine hits every method alike):
 transformers' methods run on the models with PyTorch's stock kernels, as transformers
 loads them; specgen's run as specgen loads them: in float32 on the CPU, its linear layers
 run through oneDNN, in bfloat16 one-row products as two where that is measured faster
-(speccli.models.onednn; the same weights, switched in place before
+(speccli.models.kernels.onednn; the same weights, switched in place before
 each method's run, outside its timing).
 
 With --repeats R each method runs R times per prompt and its fastest run counts; the JSON
@@ -68,9 +68,9 @@ from speccli.drafters.heads import HeadPasses
 from speccli.drafters.lookahead import LookaheadDrafter
 from speccli.drafters.model import ModelDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
-from speccli.models.compat import check_tokenizers_compatible
+from speccli.models.pairs.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
-from speccli.models.onednn import set_cpu_linear
+from speccli.models.kernels.onednn import set_cpu_linear
 from speccli.pipeline import backend_label, causal_lm, head_drafter, model_drafter
 from speccli.stats import speedup
 

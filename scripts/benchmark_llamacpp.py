@@ -57,7 +57,7 @@ from speccli.bench.prompts import encode_bench_prompt, load_prompts  # noqa: E40
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig  # noqa: E402
 from speccli.drafters.lookahead import LookaheadDrafter  # noqa: E402
 from speccli.drafters.ngram import PromptLookupDrafter  # noqa: E402
-from speccli.models.compat import check_tokenizers_compatible  # noqa: E402
+from speccli.models.pairs.compat import check_tokenizers_compatible  # noqa: E402
 from speccli.models.loading import cpu_name, load_model  # noqa: E402
 from speccli.pipeline import model_drafter  # noqa: E402
 from speccli.stats import speedup  # noqa: E402

@@ -227,7 +227,7 @@ def quantize(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
     if fmt in ("int4", "int4-hqq", "fp8"):
         from torchao.quantization import quantize_
 
-        from speccli.models.torchao_quant import torchao_config
+        from speccli.models.kernels.torchao_quant import torchao_config
 
         config = torchao_config(fmt.removesuffix("-hqq")).quant_type  # what `--quant int4|fp8` loads
         if fmt == "int4-hqq":
@@ -261,7 +261,7 @@ def quantize(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
     raise ValueError(f"unknown weight format {fmt!r}")
 
 
-# Each format's name in speccli.models.plan, which counts its bytes from the architecture
+# Each format's name in speccli.models.memory.plan, which counts its bytes from the architecture
 # (a quantized model's own tensors are packed or subclassed: their numel says little).
 PLAN_QUANT = {"bf16": "none", "int4": "int4", "int4-hqq": "int4", "nf4": "4bit", "fp8": "fp8"}
 
@@ -269,7 +269,7 @@ PLAN_QUANT = {"bf16": "none", "int4": "int4", "int4-hqq": "int4", "nf4": "4bit",
 def weight_bytes(model: torch.nn.Module, fmt: str) -> int:
     """Bytes a one-token pass reads in `fmt`: the weights but the input embedding (one row of
     it is read; a tied one is the output layer too, read whole)."""
-    from speccli.models.plan import memory_need, meta_model
+    from speccli.models.memory.plan import memory_need, meta_model
 
     shape = meta_model(model.config)
     total = memory_need(shape, PLAN_QUANT[fmt.removesuffix("+compile")], torch.bfloat16).weights

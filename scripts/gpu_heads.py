@@ -23,7 +23,7 @@ from speccli.config import SamplingConfig
 from speccli.drafters.draft_vocab import DraftVocab
 from speccli.drafters.eagle3_layer import Eagle3Head
 from speccli.drafters.heads import EagleDrafter
-from speccli.models.published_heads import default_feature_layers
+from speccli.models.pairs.published_heads import default_feature_layers
 
 # Llama-3.1-8B-Instruct, and yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's head (one layer, 32,000 draft ids).
 LLAMA31_8B = dict(

@@ -35,7 +35,7 @@ import torch
 from speccli.autok.costs import CONTEXT_TOKENS, filler_ids, measure_costs
 from speccli.config import LoadConfig
 from speccli.models.loading import cpu_name, load_model
-from speccli.models.onednn import OneDnnLinear, alternating_pairs, set_cpu_linear, set_onednn_linear
+from speccli.models.kernels.onednn import OneDnnLinear, alternating_pairs, set_cpu_linear, set_onednn_linear
 from speccli.pipeline import backend_label, causal_lm
 
 

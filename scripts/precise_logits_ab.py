@@ -1,4 +1,4 @@
-"""What float32-precise top logits (speccli.models.precise_logits) cost, side by side in one run.
+"""What float32-precise top logits (speccli.models.kernels.precise_logits) cost, side by side in one run.
 
     python scripts/precise_logits_ab.py --dtype bfloat16 --limit 12 --max-new-tokens 64
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from speccli.bench.prompts import encode_bench_prompt, load_prompts
 from speccli.config import AUTO_K, LoadConfig, SamplingConfig, SpecConfig
 from speccli.models.loading import cpu_name
-from speccli.models.precise_logits import set_precise_logits
+from speccli.models.kernels.precise_logits import set_precise_logits
 from speccli.pipeline import load_pipeline
 
 DEFAULT_PROMPTS = Path(__file__).parent / "prompts" / "default.jsonl"

@@ -23,7 +23,7 @@ import torch
 from speccli.bench.divergence import classify, first_difference
 from speccli.bench.prompts import load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
-from speccli.models.onednn import set_cpu_linear
+from speccli.models.kernels.onednn import set_cpu_linear
 from speccli.pipeline import load_pipeline
 from speccli.prompts import Prompt
 

@@ -32,7 +32,7 @@ from speccli.autok.costs import CONTEXT_TOKENS, ROUNDS, CostCurve, measure_costs
 from speccli.autok.policy import AcceptancePrior
 from speccli.backends.llamacpp import llama_cpp_version
 from speccli.loop import SpeculativeDecoder
-from speccli.models import offline
+from speccli.models.names import offline
 from speccli.models.loading import LoadedModel, cpu_name, dtype_name
 
 T = TypeVar("T")

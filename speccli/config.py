@@ -111,7 +111,7 @@ class LoadConfig:
     PyTorch's dynamic int8 for a draft (`for_draft`), whose speed is what matters there.
     cpu_linear: auto runs float32 linear layers on the CPU through oneDNN, and bfloat16
     one-row products as two rows where that is measured faster (see
-    speccli.models.onednn); stock keeps PyTorch's default kernels.
+    speccli.models.kernels.onednn); stock keeps PyTorch's default kernels.
     cuda_graphs: auto runs a model on CUDA in bfloat16/float16 or bitsandbytes 4/8-bit over a
     static KV cache replayed as CUDA graphs (speccli.backends.static); off, and every
     model on the CPU, keeps transformers' DynamicCache (speccli.backends.hf.HFCausalLM).
@@ -122,7 +122,7 @@ class LoadConfig:
     on the CPU on that backend too); auto stays off until the GPU check measures it faster
     (scripts/gpu_check.py); off.
     keep_converted: a GGUF file's first load through transformers keeps the dequantized
-    weights in specgen's cache and later loads read them (speccli.models.converted); off
+    weights in specgen's cache and later loads read them (speccli.models.formats.converted); off
     (`--no-cache`), neither read nor written.
     """
 

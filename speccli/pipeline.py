@@ -18,9 +18,9 @@ from speccli.drafters.base import Drafter
 from speccli.drafters.model import DEFAULT_STOP_CONFIDENCE, ModelDrafter
 from speccli.drafters.registry import DRAFTERS
 from speccli.loop import SpeculativeDecoder, features_of
-from speccli.models.compat import check_tokenizers_compatible, shared_vocab
-from speccli.models.drafts import AUTO as AUTO_DRAFT
-from speccli.models.drafts import choose_draft
+from speccli.models.pairs.compat import check_tokenizers_compatible, shared_vocab
+from speccli.models.pairs.drafts import AUTO as AUTO_DRAFT
+from speccli.models.pairs.drafts import choose_draft
 from speccli.models.loading import (
     LoadedModel,
     PendingModel,
@@ -30,11 +30,11 @@ from speccli.models.loading import (
     load_weights,
     model_config,
 )
-from speccli.models.plan import check_pair_fits
+from speccli.models.memory.plan import check_pair_fits
 
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.api import Speculator
-    from speccli.models.published_heads import PublishedHead
+    from speccli.models.pairs.published_heads import PublishedHead
 
 NO_DRAFT = "none"
 HEAD_DRAFTS = ("medusa", "eagle", "eagle3")
@@ -149,7 +149,7 @@ def load_pipeline(
     pending_target = load_tokenizer(target_name, target_config, progress=progress)
     published = None
     if heads is not None and heads.published:
-        from speccli.models.published_heads import HeadUnavailable
+        from speccli.models.pairs.published_heads import HeadUnavailable
 
         try:
             published = _published_head(heads, pending_target, progress)
@@ -178,7 +178,7 @@ def load_pipeline(
     if key in DRAFTERS:
         drafter = DRAFTERS[key]()
     elif published is not None:
-        from speccli.models.published_drafter import published_drafter
+        from speccli.models.pairs.published_drafter import published_drafter
 
         drafter = published_drafter(published, features_of(target_lm), target.model.config)
     elif heads is not None:
@@ -197,9 +197,9 @@ def load_pipeline(
 def _published_head(heads: HeadDraft, target: PendingModel, progress: Callable[[str], None] | None) -> PublishedHead:
     """The published head `heads` names, read as far as its config and checked against the
     target's config: a head for another target is refused before any weights load."""
-    from speccli.models.drafts import heads_for, registered
+    from speccli.models.pairs.drafts import heads_for, registered
     from speccli.models.errors import HeadsMismatch
-    from speccli.models.published_heads import check_head, read_head
+    from speccli.models.pairs.published_heads import check_head, read_head
 
     source = heads.source
     if source is None:
@@ -284,7 +284,7 @@ def keep_compiled_kernels() -> None:
     torch sets its /tmp default there itself the first time anything asks for it."""
     import os
 
-    from speccli.models import offline
+    from speccli.models.names import offline
 
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -345,8 +345,8 @@ def head_drafter(
     from speccli.drafters.heads import EagleDrafter, MedusaDrafter
     from speccli.drafters.medusa_heads import MedusaHeads
     from speccli.heads.store import HeadsMismatch, load_heads
-    from speccli.models.offline import default_heads_path
-    from speccli.models import offline
+    from speccli.models.names.offline import default_heads_path
+    from speccli.models.names import offline
 
     if path is None:
         path = default_heads_path(offline.default_cache_dir(), target.name, kind)

@@ -24,7 +24,7 @@ from speccli.drafters.model import ModelDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.errors import UsageError
 from speccli.events import StepEvent
-from speccli.models.cpu import cpu_name
+from speccli.models.kernels.cpu import cpu_name
 from speccli.stats import GenerationStats
 from speccli.ui import bench_report
 from speccli.ui.bench_report import CSV_COLUMNS, SUMMARY_COLUMNS, ReportError

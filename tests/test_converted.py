@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from speccli.cli import app
 from speccli.config import LoadConfig
-from speccli.models import converted, gguf_weights
+from speccli.models.formats import converted, gguf_weights
 from speccli.models.loading import finish_conversions
 from speccli.models.loading import load_model as load_model_alone
 from test_models_registry import write_tiny_gguf

@@ -17,7 +17,7 @@ from speccli.autok.costs import measure_costs
 from speccli.cli import app
 from speccli.config import SamplingConfig
 from speccli.drafters.model import ModelDrafter
-from speccli.models.compat import check_tokenizers_compatible, shared_vocab
+from speccli.models.pairs.compat import check_tokenizers_compatible, shared_vocab
 
 # The commands here run with k auto (calibrating) unless told otherwise: keep it out of ~/.cache.
 pytestmark = pytest.mark.usefixtures("private_cache")

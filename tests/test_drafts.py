@@ -1,4 +1,4 @@
-"""`--draft auto` and `specgen models --drafts-for` (speccli.models.drafts): the registry picks,
+"""`--draft auto` and `specgen models --drafts-for` (speccli.models.pairs.drafts): the registry picks,
 with no network and no weights."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from speccli.cli import app
-from speccli.models.drafts import choose_draft, drafts_for
-from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from speccli.models.pairs.drafts import choose_draft, drafts_for
+from speccli.models.names.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_the_reason_is_said():
 
 
 def test_drafts_for_lists_models_heads_and_drafters(tmp_path):
-    from speccli.models.offline import default_heads_path
+    from speccli.models.names.offline import default_heads_path
 
     heads = default_heads_path(tmp_path, "llama3.1-70b", "eagle")
     heads.parent.mkdir(parents=True)

@@ -14,10 +14,10 @@ from conftest import tiny_llama, wrap, wrap_static
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.drafters.model import ModelDrafter
 from speccli.loop import SpeculativeDecoder
-from speccli.models.int8 import quantize_int8
+from speccli.models.kernels.int8 import quantize_int8
 from speccli.backends.fused import FusedGatedMLP, ProjectionPart, StackedProjection, fuse_projections
 from speccli.models.loading import LoadedModel, fused_on_load
-from speccli.models.registry import ResolvedModel
+from speccli.models.names.registry import ResolvedModel
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, encode, target_greedy
 
 IDS = torch.tensor([[1, 7, 3, 12, 40, 9, 22, 5]])

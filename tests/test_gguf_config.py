@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from speccli.models.gguf_config import config_dict
-from speccli.models.gguf_file import read_header
+from speccli.models.formats.gguf_config import config_dict
+from speccli.models.formats.gguf_file import read_header
 from test_models_registry import write_tiny_gguf
 
 TOKENS = ["<unk>", "<s>", "</s>", "a", "b", "ab"]
@@ -76,7 +76,7 @@ def test_what_transformers_treats_apart_is_left_to_it(tmp_path):
 def test_transformers_parse_gives_the_rest_when_asked(tmp_path):
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    from speccli.models.gguf_weights import share_metadata_parse
+    from speccli.models.formats.gguf_weights import share_metadata_parse
 
     path = write_metadata_gguf(tmp_path / "q.gguf", "qwen2")
     share_metadata_parse()

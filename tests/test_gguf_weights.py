@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from speccli.models import gguf_file, gguf_weights
+from speccli.models.formats import gguf_file, gguf_weights
 from test_models_registry import write_tiny_gguf
 
 TORCH_TYPES = sorted(gguf_weights._torch_kernel_types())
@@ -109,7 +109,7 @@ def test_a_first_load_parses_the_metadata_once_for_tokenizer_and_config_or_not_a
     tmp_path, monkeypatch, config_from_header
 ):
     from speccli.config import LoadConfig
-    from speccli.models import gguf_config
+    from speccli.models.formats import gguf_config
     from speccli.models.loading import load_model
 
     if not config_from_header:

@@ -13,7 +13,7 @@ from speccli.events import StepEvent, TokenEvent
 from speccli.loop import SpeculativeDecoder
 from speccli.models import choices
 from speccli.models.errors import ModelLoadError
-from speccli.models.int8 import int8_problem, quantize_int8
+from speccli.models.kernels.int8 import int8_problem, quantize_int8
 from speccli.models.loading import choose_quant, load_model
 
 CPU = torch.device("cpu")

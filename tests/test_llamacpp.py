@@ -16,7 +16,7 @@ from speccli.drafters.model import ModelDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.events import StepEvent, TokenEvent
 from speccli.loop import SpeculativeDecoder
-from speccli.models import offline
+from speccli.models.names import offline
 from speccli.models.errors import ModelLoadError
 from speccli.tree import TokenTree
 

@@ -1,4 +1,4 @@
-"""speccli.models.llamacpp_check: a child process tries llama.cpp's repacked-weight kernels before
+"""speccli.models.kernels.llamacpp_check: a child process tries llama.cpp's repacked-weight kernels before
 specgen loads a model with them, where the build holds AMX kernels (which die of SIGILL on some
 CPUs); the verdict is cached per model file, build and CPU."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from speccli.models import llamacpp_check
-from speccli.models.llamacpp_check import KernelCheck, extra_buffers_verdict, verdict_of
+from speccli.models.kernels import llamacpp_check
+from speccli.models.kernels.llamacpp_check import KernelCheck, extra_buffers_verdict, verdict_of
 
 pytest.importorskip("llama_cpp", reason='llama-cpp-python is not installed (pip install ".[llamacpp]")')
 
@@ -93,7 +93,7 @@ def test_a_trial_that_hangs_loads_without_extra_buffers_but_is_tried_again(model
 def test_the_real_trial_gives_a_verdict_on_the_real_gguf():
     """The child process itself, on SmolLM2's Q4_1 file: it runs to the end or dies of a signal
     (SIGILL on a CPU whose AMX kernels crash); never another failure."""
-    from speccli.models import offline
+    from speccli.models.names import offline
 
     parts = offline.installed_parts(offline.OFFLINE_MODELS["smollm2-135m"])
     if parts is None:

@@ -1,4 +1,4 @@
-"""Memory before loading (speccli.models.plan): sizes from the config alone match what loading
+"""Memory before loading (speccli.models.memory.plan): sizes from the config alone match what loading
 really allocates, and a model that cannot fit the GPU is refused before any weights, naming
 what would fit."""
 
@@ -10,8 +10,8 @@ import torch
 from conftest import save_model_folder, tiny_llama
 from speccli.models import loading
 from speccli.models.errors import ModelLoadError
-from speccli.models.plan import GB, MemoryNeed, check_fits, check_pair_fits, memory_need, meta_model
-from speccli.models.registry import ResolvedModel
+from speccli.models.memory.plan import GB, MemoryNeed, check_fits, check_pair_fits, memory_need, meta_model
+from speccli.models.names.registry import ResolvedModel
 
 
 def loaded_bytes(model: torch.nn.Module) -> int:
@@ -95,7 +95,7 @@ def test_loading_checks_before_any_weights(tmp_path, tokenizer, monkeypatch):
 
 def test_models_shows_weights_from_a_config_here_else_the_registered_shapes(tmp_path, monkeypatch):
     """An alias whose config is on this machine is sized by it; any other by its registered shapes."""
-    from speccli.models.plan import weight_sizes
+    from speccli.models.memory.plan import weight_sizes
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
@@ -103,7 +103,7 @@ def test_models_shows_weights_from_a_config_here_else_the_registered_shapes(tmp_
     config = load_llama8b_config(tmp_path)
     config.num_hidden_layers = 31  # the local config wins over the registered one
     monkeypatch.setattr(
-        "speccli.models.plan._local_config", lambda alias, cache: config if alias == "llama3-8b" else None
+        "speccli.models.memory.plan._local_config", lambda alias, cache: config if alias == "llama3-8b" else None
     )
     sizes = weight_sizes("llama3-8b", tmp_path)
     assert sizes["bf16"] == 2 * (8_030_261_248 - 218_112_000) > sizes["8bit"] > sizes["4bit"]
@@ -118,8 +118,8 @@ def load_llama8b_config(tmp_path):
 
 
 def test_an_installed_offline_package_gives_its_sizes(tmp_path):
-    from speccli.models import offline
-    from speccli.models.plan import weight_sizes
+    from speccli.models.names import offline
+    from speccli.models.memory.plan import weight_sizes
 
     if offline.installed_parts(offline.OFFLINE_MODELS["smollm2-135m"]) is None:
         pytest.skip("the SmolLM2-135M offline package is not installed")

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from conftest import PRINTABLE, SPECIALS, char_tokenizer
-from speccli.models.compat import check_tokenizers_compatible
+from speccli.models.pairs.compat import check_tokenizers_compatible
 from speccli.models.errors import ModelLoadError, TokenizerMismatchError
 
 

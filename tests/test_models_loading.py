@@ -20,7 +20,8 @@ from speccli.drafters.model import ModelDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.events import StepEvent, TokenEvent
 from speccli.loop import SpeculativeDecoder
-from speccli.models import choices, loading, offline
+from speccli.models import choices, loading
+from speccli.models.names import offline
 from speccli.models.errors import ModelLoadError
 from speccli.models.loading import (
     LoadedModel,
@@ -29,8 +30,8 @@ from speccli.models.loading import (
     choose_quant,
     load_model,
 )
-from speccli.models.onednn import OneDnnLinear, set_onednn_linear
-from speccli.models.registry import ResolvedModel
+from speccli.models.kernels.onednn import OneDnnLinear, set_onednn_linear
+from speccli.models.names.registry import ResolvedModel
 from test_models_registry import GGUF_TOKENS, write_tiny_gguf
 
 CPU = torch.device("cpu")
@@ -668,7 +669,7 @@ def test_a_later_start_finds_the_kept_tokenizer_without_reading_the_header(tmp_p
     time: a later start does not parse its header again; a rewritten file is read again."""
     import os
 
-    from speccli.models import gguf_file
+    from speccli.models.formats import gguf_file
     from speccli.models.loading import load_tokenizer
 
     path = tmp_path / "model.gguf"

@@ -11,8 +11,8 @@ from speccli.drafters.model import ModelDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.events import StepEvent, TokenEvent
 from speccli.loop import SpeculativeDecoder
-from speccli.models import offline
-from speccli.models.compat import check_tokenizers_compatible
+from speccli.models.names import offline
+from speccli.models.pairs.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import char_tokenizer, save_model_folder, tiny_llama
-from speccli.models import offline, registry
+from speccli.models.names import offline, registry
 from speccli.models.errors import ModelLoadError
-from speccli.models.registry import (
+from speccli.models.names.registry import (
     ALIASES,
     DEFAULT_DRAFT,
     DEFAULT_TARGET,

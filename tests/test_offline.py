@@ -1,4 +1,4 @@
-"""Tests for speccli.models.offline, on fake chunk packages built in tmp_path."""
+"""Tests for speccli.models.names.offline, on fake chunk packages built in tmp_path."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from speccli.models import offline
-from speccli.models.offline import (
+from speccli.models.names import offline
+from speccli.models.names.offline import (
     OFFLINE_MODELS,
     OfflineModel,
     OfflineModelError,

@@ -17,9 +17,10 @@ from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.drafters.model import ModelDrafter
 from speccli.events import TokenEvent
 from speccli.loop import SpeculativeDecoder
-from speccli.models import loading, onednn
+from speccli.models import loading
+from speccli.models.kernels import onednn
 from speccli.models.loading import load_model
-from speccli.models.onednn import (
+from speccli.models.kernels.onednn import (
     OneDnnLinear,
     TwoRowLinear,
     onednn_problem,

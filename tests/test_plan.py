@@ -1,4 +1,4 @@
-"""`specgen plan` and its arithmetic (speccli.models.plan) on the Llama-3 70B and 8B configs
+"""`specgen plan` and its arithmetic (speccli.models.memory.plan) on the Llama-3 70B and 8B configs
 (tests/data), checked against figures computed by hand from the architecture."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from speccli.cli import app
 from speccli.models.loading import load_config
-from speccli.models.plan import memory_need, meta_model, plan_pair
+from speccli.models.memory.plan import memory_need, meta_model, plan_pair
 
 DATA = Path(__file__).parent / "data"
 BF16 = torch.bfloat16

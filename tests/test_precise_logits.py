@@ -1,4 +1,4 @@
-"""Float32-precise top logits for bfloat16/float16 models (speccli.models.precise_logits)."""
+"""Float32-precise top logits for bfloat16/float16 models (speccli.models.kernels.precise_logits)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama, wrap
-from speccli.models.precise_logits import CANDIDATES, PreciseLogits, set_precise_logits
+from speccli.models.kernels.precise_logits import CANDIDATES, PreciseLogits, set_precise_logits
 
 
 def exact_logits(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:

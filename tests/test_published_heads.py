@@ -1,4 +1,4 @@
-"""Published draft heads (speccli.models.published_heads): EAGLE-3, EAGLE-1/2 and Medusa checkpoints
+"""Published draft heads (speccli.models.pairs.published_heads): EAGLE-3, EAGLE-1/2 and Medusa checkpoints
 in the layouts of the Hub files (tests/published_layouts.py), written here for tiny targets,
 loaded, checked against the target before their weights, and drafting losslessly; trained
 tiny heads (tests/head_references.py) show the loader wires them as their sources do."""
@@ -32,8 +32,8 @@ from speccli.coupling import PositionNoise
 from speccli.events import StepEvent
 from speccli.loop import SpeculativeDecoder
 from speccli.models.errors import HeadsMismatch
-from speccli.models.published_drafter import published_drafter
-from speccli.models.published_heads import check_head, default_feature_layers, read_head
+from speccli.models.pairs.published_drafter import published_drafter
+from speccli.models.pairs.published_heads import check_head, default_feature_layers, read_head
 from test_decoder_greedy import emitted, encode, target_greedy
 from test_decoder_sampling import ALPHABET
 from test_heads import TEXT, assert_samples_follow_the_target
@@ -393,7 +393,7 @@ def test_auto_falls_back_when_its_head_cannot_be_fetched(tokenizer, target, tmp_
     """On CUDA auto takes a registered head; where it is not cached and the Hub is out of reach,
     it takes what it takes without heads, before any weights, and says so."""
     import speccli.pipeline as pipeline
-    from speccli.models.drafts import DraftChoice
+    from speccli.models.pairs.drafts import DraftChoice
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -43,7 +43,7 @@ class GoneReader(io.StringIO):
 
 
 def test_a_lost_reader_of_a_rich_table_raises_broken_pipe_for_the_cli_not_rich_s_exit_1():
-    from speccli.models.registry import ModelListing
+    from speccli.models.names.registry import ModelListing
     from speccli.ui.models_table import print_table
 
     listing = ModelListing("alias", "owner/name", "family", "1B", "download", None, "a model")

@@ -1,4 +1,4 @@
-"""The shapes registered for every alias (speccli.models.shapes): what `specgen models` and
+"""The shapes registered for every alias (speccli.models.names.shapes): what `specgen models` and
 `specgen plan` size a model by when its config is not on this machine, without the network."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from typer.testing import CliRunner
 
 from speccli.cli import app
-from speccli.models.plan import WEIGHT_FORMATS, memory_need, meta_model, weight_sizes
-from speccli.models.registry import ALIASES
-from speccli.models.shapes import SHAPES, shape_config
+from speccli.models.memory.plan import WEIGHT_FORMATS, memory_need, meta_model, weight_sizes
+from speccli.models.names.registry import ALIASES
+from speccli.models.names.shapes import SHAPES, shape_config
 
 DATA = Path(__file__).parent / "data"
 FIELDS = (
@@ -52,8 +52,8 @@ def test_the_shapes_are_the_hubs_config(folder, hub_id):
 
 def test_the_offline_packages_shapes_are_their_files():
     """The GGUF headers of the installed offline packages give the same shapes."""
-    from speccli.models import offline
-    from speccli.models.plan import _local_config
+    from speccli.models.names import offline
+    from speccli.models.memory.plan import _local_config
 
     checked = 0
     for alias in ALIASES.values():

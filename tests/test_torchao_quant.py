@@ -1,4 +1,4 @@
-"""`--quant int4|fp8` (speccli.models.torchao_quant): where they can run, what transformers is
+"""`--quant int4|fp8` (speccli.models.kernels.torchao_quant): where they can run, what transformers is
 asked for, and the one-line errors elsewhere. The kernels themselves need CUDA (gpu_check)."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import torch
 from typer.testing import CliRunner
 
 from speccli.cli import app
-from speccli.models import loading, torchao_quant
+from speccli.models import loading
+from speccli.models.kernels import torchao_quant
 from speccli.models.errors import ModelLoadError
 from speccli.models.loading import choose_quant
-from speccli.models.registry import ResolvedModel
+from speccli.models.names.registry import ResolvedModel
 
 CPU, CUDA0 = torch.device("cpu"), torch.device("cuda", 0)
 

@@ -133,7 +133,7 @@ class LlamaCppWeights:
         extra_buffers: bool = True,
     ) -> "LlamaCppWeights":
         """Load `path`; `extra_buffers`: repack the weights for this CPU's own kernels
-        (speccli.models.llamacpp_check tells whether they run here)."""
+        (speccli.models.kernels.llamacpp_check tells whether they run here)."""
         lc = _backend()
         path = Path(path)
         params = lc.llama_model_default_params()

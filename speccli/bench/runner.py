@@ -38,7 +38,7 @@ from speccli.bench.results import BenchResults, BenchRow, BenchSettings, RunResu
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.context import ContextOverflowError
 from speccli.drafters.base import Drafter
-from speccli.models.cpu import cpu_name
+from speccli.models.kernels.cpu import cpu_name
 
 WARMUP_TOKENS = 8
 

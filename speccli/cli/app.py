@@ -62,13 +62,13 @@ def _root(
 
 
 def default_target() -> str:
-    from speccli.models.registry import DEFAULT_TARGET
+    from speccli.models.names.registry import DEFAULT_TARGET
 
     return DEFAULT_TARGET
 
 
 def default_draft() -> str:
-    from speccli.models.drafts import AUTO
+    from speccli.models.pairs.drafts import AUTO
 
     return AUTO
 

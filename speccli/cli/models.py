@@ -65,7 +65,7 @@ def plan(
 
     def body() -> int:
         from speccli.models.loading import DTYPES, check_heads_split, load_config
-        from speccli.models.plan import QUANT_NAMES, meta_model, plan_pair
+        from speccli.models.memory.plan import QUANT_NAMES, meta_model, plan_pair
         from speccli.ui import plan_table
 
         progress = stderr_progress(quiet)
@@ -79,7 +79,7 @@ def plan(
         check_model_names(target, draft)
         target_name, draft_name = target or default_target(), draft or default_draft()
         if draft_name.strip().lower() == "auto":
-            from speccli.models.drafts import choose_draft
+            from speccli.models.pairs.drafts import choose_draft
 
             choice = choose_draft(target_name)
             progress(f"draft: {choice.name} (--draft auto: {choice.reason})")
@@ -187,9 +187,9 @@ def models(
     """
 
     def body() -> int:
-        from speccli.models import converted
-        from speccli.models.offline import default_cache_dir
-        from speccli.models.registry import format_size, list_models
+        from speccli.models.formats import converted
+        from speccli.models.names.offline import default_cache_dir
+        from speccli.models.names.registry import format_size, list_models
         from speccli.ui import models_table
 
         cache = default_cache_dir()
@@ -201,7 +201,7 @@ def models(
                 raise UsageError(f"{option} is empty", hint)
         progress = stderr_progress(False)
         if drafts_for is not None:
-            from speccli.models.drafts import choose_draft, drafts_for as list_drafts
+            from speccli.models.pairs.drafts import choose_draft, drafts_for as list_drafts
 
             options = list_drafts(drafts_for, cache)
             if as_json:
@@ -227,7 +227,7 @@ def models(
             return 0
         from dataclasses import replace
 
-        from speccli.models.plan import weight_sizes
+        from speccli.models.memory.plan import weight_sizes
 
         listings = [replace(item, weights=weight_sizes(item.alias, cache)) for item in list_models()]
         if as_json:
@@ -363,7 +363,7 @@ def train(
             default_text,
             train_heads,
         )
-        from speccli.models import offline
+        from speccli.models.names import offline
         from speccli.models.loading import load_model
         from speccli.ui.progress import TrainProgressDisplay
 
@@ -443,7 +443,7 @@ def heads_list(
 
     def body() -> int:
         from speccli.heads.listing import find_heads
-        from speccli.models import offline
+        from speccli.models.names import offline
         from speccli.ui import models_table
 
         found = find_heads(offline.default_cache_dir())

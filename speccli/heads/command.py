@@ -17,7 +17,7 @@ from speccli.heads.corpus import build_corpus
 from speccli.heads.features import extract
 from speccli.heads.instructions import requests
 from speccli.heads.store import save_heads, target_identity
-from speccli.models.offline import default_heads_path, slug
+from speccli.models.names.offline import default_heads_path, slug
 from speccli.heads.train import TrainConfig, Trainer, TrainProgress
 from speccli.models.loading import LoadedModel, cpu_has_fast_bf16, dtype_name
 
@@ -214,7 +214,7 @@ def answerer(target: LoadedModel) -> tuple[Answer, str, int]:
     chat = has_chat_template(target.tokenizer)  # a base model without one continues the request
     if gguf is not None:
         from speccli.backends.llamacpp import LlamaCppLM, LlamaCppWeights
-        from speccli.models.llamacpp_check import extra_buffers_verdict
+        from speccli.models.kernels.llamacpp_check import extra_buffers_verdict
 
         weights = LlamaCppWeights.load(gguf, extra_buffers=extra_buffers_verdict(gguf).extra_buffers)
         lm = LlamaCppLM(weights, n_ctx=ANSWER_CONTEXT)

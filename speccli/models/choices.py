@@ -5,7 +5,7 @@ options and this machine: the choices `load_tokenizer` makes before anything loa
   where the CPU multiplies bf16 natively, else float32 (see :func:`auto_cpu_dtype`).
 * quant ``auto``: NF4 4-bit on CUDA. On the CPU none for a target, and PyTorch's dynamic int8
   for a draft (``LoadConfig.for_draft``): that halves a draft token's cost there (see
-  ``speccli.models.int8``). GGUF files are never re-quantized by bitsandbytes: transformers
+  ``speccli.models.kernels.int8``). GGUF files are never re-quantized by bitsandbytes: transformers
   dequantizes them to the dtype.
 """
 
@@ -16,12 +16,12 @@ import functools
 import torch
 
 from speccli.config import QUANTS, LoadConfig
-from speccli.models.cpu import cpuinfo_field
+from speccli.models.kernels.cpu import cpuinfo_field
 from speccli.models.errors import ModelLoadError
 from speccli.models.explain import first_line, quiet_libraries
-from speccli.models.int8 import int8_problem
-from speccli.models.registry import ResolvedModel
-from speccli.models.torchao_quant import TORCHAO_QUANTS, check_torchao_quant
+from speccli.models.kernels.int8 import int8_problem
+from speccli.models.names.registry import ResolvedModel
+from speccli.models.kernels.torchao_quant import TORCHAO_QUANTS, check_torchao_quant
 
 
 DTYPES: dict[str, torch.dtype] = {
@@ -160,7 +160,7 @@ def choose_quant(requested: str, device: torch.device, *, gguf: bool = False, dr
     """ "none", "4bit" (bitsandbytes NF4; `nf4` names it too), "8bit", "int8", "int4" or "fp8".
     auto: 4bit on CUDA (none if bitsandbytes is missing); on the CPU, int8 (PyTorch dynamic)
     for a draft and none for a target. int4 and fp8 are torchao's, on CUDA only
-    (speccli.models.torchao_quant).
+    (speccli.models.kernels.torchao_quant).
 
     A GGUF file is dequantized, never re-quantized: auto and none give "none" (int8 for a
     draft on the CPU), and an explicit 4bit/8bit/int4/fp8 is a ModelLoadError.

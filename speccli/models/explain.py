@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import torch
 
-from speccli.models import offline
+from speccli.models.names import offline
 from speccli.models.errors import ModelLoadError
-from speccli.models.registry import ALIASES, ResolvedModel
+from speccli.models.names.registry import ALIASES, ResolvedModel
 
 
 def first_line(text: str) -> str:

@@ -12,7 +12,7 @@ a bug and propagates), ``gguf_tokenizer.py`` (a GGUF file's tokenizer, converted
 dequantized weights kept for later starts), ``onednn.py`` and ``int8.py`` (CPU kernels).
 
 * float32 on the CPU: the linear layers run through oneDNN instead of MKL's sgemm
-  (``LoadConfig.cpu_linear``; see ``speccli.models.onednn``), which is faster for the
+  (``LoadConfig.cpu_linear``; see ``speccli.models.kernels.onednn``), which is faster for the
   few rows a decode step feeds (where PyTorch's kernel wins for the fewest rows, it keeps
   them: timed at load). bfloat16 on the CPU: a one-token pass multiplies its row as two
   where that is measured faster (PyTorch's one-row bf16 kernel is slower than its two-row
@@ -34,7 +34,8 @@ import torch
 
 from speccli.backends.fused import fuse_projections
 from speccli.config import LoadConfig
-from speccli.models import converted, offline
+from speccli.models.formats import converted
+from speccli.models.names import offline
 from speccli.models.choices import (
     DTYPES,
     auto_cpu_dtype,
@@ -47,23 +48,23 @@ from speccli.models.choices import (
     dtype_name,
     int8_dtype,
 )
-from speccli.models.converted import finish_conversions
-from speccli.models.cpu import cpu_name
+from speccli.models.formats.converted import finish_conversions
+from speccli.models.kernels.cpu import cpu_name
 from speccli.models.errors import ModelLoadError
 from speccli.models.explain import explaining, offline_mode, quiet_libraries
-from speccli.models.gguf_tokenizer import load_gguf_tokenizer
-from speccli.models.int8 import quantize_int8
-from speccli.models.onednn import (
+from speccli.models.formats.gguf_tokenizer import load_gguf_tokenizer
+from speccli.models.kernels.int8 import quantize_int8
+from speccli.models.kernels.onednn import (
     choose_stock_rows,
     onednn_problem,
     set_onednn_linear,
     set_two_row_linear,
     two_rows_pay,
 )
-from speccli.models.plan import ALTERNATIVES, MemoryNeed, cached_hub_config, check_fits, memory_need, meta_model
-from speccli.models.registry import ResolvedModel, resolve
-from speccli.models.tensor_parallel import check_heads_split, tensor_parallel_device
-from speccli.models.torchao_quant import TORCHAO_QUANTS, torchao_config
+from speccli.models.memory.plan import ALTERNATIVES, MemoryNeed, cached_hub_config, check_fits, memory_need, meta_model
+from speccli.models.names.registry import ResolvedModel, resolve
+from speccli.models.memory.tensor_parallel import check_heads_split, tensor_parallel_device
+from speccli.models.kernels.torchao_quant import TORCHAO_QUANTS, torchao_config
 
 __all__ = [  # and what the choices and the tensor-parallel check decide, as the commands name them
     "DTYPES",
@@ -262,7 +263,7 @@ class PendingModel:
     tokenizer_seconds: float  # resolving and loading the tokenizer took this long
     backend: str = "transformers"  # as chosen by choose_backend
     cache_dir: Path | None = None  # specgen's cache (offline models, kernel timings)
-    memory: MemoryNeed | None = None  # on CUDA, what it needs there (speccli.models.plan)
+    memory: MemoryNeed | None = None  # on CUDA, what it needs there (speccli.models.memory.plan)
 
 
 def load_tokenizer(
@@ -333,8 +334,8 @@ def load_config(
     """A model's transformers config and where it lives, without its weights: config.json from
     a folder or the Hub, a GGUF file's header (an offline package is assembled first).
     `shapes_only`: for sizing, a registered model whose config is not on this machine takes
-    the shapes registered for it instead of the Hub's (speccli.models.shapes)."""
-    from speccli.models.shapes import shape_config
+    the shapes registered for it instead of the Hub's (speccli.models.names.shapes)."""
+    from speccli.models.names.shapes import shape_config
 
     cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
     resolved = resolve(name, cache, progress)
@@ -354,7 +355,7 @@ def _model_config(resolved: ResolvedModel, trust_remote_code: bool) -> Any:
     """The config of a resolved model: its GGUF header, or config.json (the Hub's cache first)."""
     from transformers import AutoConfig
 
-    from speccli.models.gguf_weights import gguf_config
+    from speccli.models.formats.gguf_weights import gguf_config
 
     if resolved.is_gguf:
         path = resolved.gguf_path
@@ -487,7 +488,7 @@ def _dequantize_gguf(pending: PendingModel, say: Progress) -> Any:
     """A local GGUF file through specgen's fast dequantization (see ``gguf_weights``); None
     where transformers' own GGUF loader runs instead (a Hub file, an architecture its new
     loader covers)."""
-    from speccli.models import gguf_weights
+    from speccli.models.formats import gguf_weights
 
     path = pending.resolved.gguf_path
     if path is None or not path.is_file():
@@ -531,7 +532,7 @@ def _converted_kwargs(dtype: torch.dtype, device: torch.device) -> dict[str, Any
 
 def _load_llama_cpp(pending: PendingModel, say: Progress, started: float) -> LoadedModel:
     from speccli.backends.llamacpp import LlamaCppError, LlamaCppWeights
-    from speccli.models.llamacpp_check import extra_buffers_verdict
+    from speccli.models.kernels.llamacpp_check import extra_buffers_verdict
 
     path = pending.resolved.gguf_path
     assert path is not None  # choose_backend takes llama.cpp for GGUF files only

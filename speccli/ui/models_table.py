@@ -8,9 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
 
-from speccli.models.converted import ConvertedEntry
-from speccli.models.drafts import HEAD_LAYOUTS, DraftOption, heads_for
-from speccli.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, ModelListing, format_size
+from speccli.models.formats.converted import ConvertedEntry
+from speccli.models.pairs.drafts import HEAD_LAYOUTS, DraftOption, heads_for
+from speccli.models.names.registry import DEFAULT_DRAFT, DEFAULT_TARGET, ModelListing, format_size
 
 FOOTER = (
     "Weights: on a GPU, from the model's config where it is on this machine (else `specgen plan --target ALIAS`). "

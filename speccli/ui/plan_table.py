@@ -6,7 +6,7 @@ import json
 import sys
 from typing import TextIO
 
-from speccli.models.plan import GB, MemoryNeed, PairPlan
+from speccli.models.memory.plan import GB, MemoryNeed, PairPlan
 
 
 def _need(need: MemoryNeed | None) -> dict | None:

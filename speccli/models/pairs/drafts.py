@@ -16,7 +16,7 @@ A draft model must share the target's tokenizer. Models of one registry family d
 
 A target the registry does not know (a folder, a GGUF file, another Hub id) gets `ngram`:
 which small model shares its tokenizer is not known without reading both. The tokenizers of
-whatever draft is chosen are still compared before any weights load (speccli.models.compat).
+whatever draft is chosen are still compared before any weights load (speccli.models.pairs.compat).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from speccli.models.registry import ALIASES, Alias
-from speccli.models.shapes import SHAPES
+from speccli.models.names.registry import ALIASES, Alias
+from speccli.models.names.shapes import SHAPES
 
 AUTO = "auto"
 PROMPT_LOOKUP = "ngram"
@@ -173,8 +173,8 @@ def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
     """Every draft that can serve `target`: published heads registered for it, registered
     models sharing its tokenizer, heads trained here for it, and the drafters that need no
     model; the ones auto takes on the CPU and on CUDA marked."""
-    from speccli.models.offline import default_heads_path
-    from speccli.models import offline
+    from speccli.models.names.offline import default_heads_path
+    from speccli.models.names import offline
 
     chosen, chosen_cuda = choose_draft(target).name, choose_draft(target, cuda=True).name
     options: list[DraftOption] = []

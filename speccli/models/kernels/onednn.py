@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from speccli.models.offline import identity_digest, write_json
+from speccli.models.names.offline import identity_digest, write_json
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -54,8 +54,8 @@ def _library_identity() -> dict[str, object]:
 
 
 def check_key(model_path: Path) -> str:
-    from speccli.models.cpu import cpu_name
-    from speccli.models.offline import identity_digest
+    from speccli.models.kernels.cpu import cpu_name
+    from speccli.models.names.offline import identity_digest
 
     stat = model_path.stat()
     identity = {
@@ -67,7 +67,7 @@ def check_key(model_path: Path) -> str:
 
 
 def _verdicts_path(cache_dir: Path | None) -> Path:
-    from speccli.models import offline
+    from speccli.models.names import offline
 
     root = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
     return root / "llama-cpp-checks.json"
@@ -82,7 +82,7 @@ def _read_cached(path: Path, key: str) -> KernelCheck | None:
 
 
 def _write_cached(path: Path, key: str, verdict: KernelCheck) -> None:
-    from speccli.models import offline
+    from speccli.models.names import offline
 
     data = offline.read_json_object(path)
     data[key] = {"extra_buffers": verdict.extra_buffers, "reason": verdict.reason}
@@ -92,7 +92,7 @@ def _write_cached(path: Path, key: str, verdict: KernelCheck) -> None:
 def run_trial(model_path: Path) -> subprocess.CompletedProcess:
     """The child: load with extra buffer types and run the trial passes (see `_trial`)."""
     return subprocess.run(
-        [sys.executable, "-m", "speccli.models.llamacpp_check", str(model_path)],
+        [sys.executable, "-m", "speccli.models.kernels.llamacpp_check", str(model_path)],
         capture_output=True,
         text=True,
         timeout=CHECK_TIMEOUT_SECONDS,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from speccli.models.gguf_file import GgufHeader
+from speccli.models.formats.gguf_file import GgufHeader
 
 # Architectures load_gguf_checkpoint gives no special treatment (a llama file named "mistral"
 # becomes a Mistral config: that one is refused below).

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from speccli.models import offline
+from speccli.models.names import offline
 from speccli.models.errors import ModelLoadError
 
 __all__ = [
@@ -46,7 +46,7 @@ GGUF_MAGIC = b"GGUF"
 class Alias:
     """A short name for a model people pair for speculative decoding.
 
-    ``offline`` names an entry of :data:`speccli.models.offline.OFFLINE_MODELS`
+    ``offline`` names an entry of :data:`speccli.models.names.offline.OFFLINE_MODELS`
     used instead of the Hub when its packages are installed. Models of the same
     ``family`` share a tokenizer, so any of them can draft for any other.
     """
@@ -316,7 +316,9 @@ class ModelListing:
     size_bytes: int | None  # on disk, when known
     description: str
     note: str = ""  # e.g. how to install the offline package, or that the repo is gated
-    weights: dict[str, int] | None = None  # bytes in bf16, 8bit, 4bit, where a config is here (speccli.models.plan)
+    weights: dict[str, int] | None = (
+        None  # bytes in bf16, 8bit, 4bit, where a config is here (speccli.models.memory.plan)
+    )
 
 
 def format_size(n: int | None) -> str:

@@ -242,9 +242,9 @@ WEIGHT_FORMATS = (("bf16", "none"), ("8bit", "8bit"), ("4bit", "4bit"))
 def weight_sizes(alias_name: str, cache_dir) -> dict[str, int]:
     """An alias's weights in bf16, 8-bit and 4-bit (NF4), without the network: from a config
     on this machine (an installed offline package, the Hugging Face cache), else from the
-    shapes registered for it (speccli.models.shapes)."""
-    from speccli.models.registry import ALIASES
-    from speccli.models.shapes import shape_config
+    shapes registered for it (speccli.models.names.shapes)."""
+    from speccli.models.names.registry import ALIASES
+    from speccli.models.names.shapes import shape_config
 
     config = _local_config(alias_name, cache_dir) or shape_config(ALIASES[alias_name].hub_id)
     assert config is not None, f"no shapes registered for {alias_name}"  # every alias has them (tests/test_shapes.py)
@@ -269,9 +269,9 @@ def _with_layers(config, layers: int) -> PreTrainedModel:
 def _local_config(alias_name: str, cache_dir):
     from pathlib import Path
 
-    from speccli.models import offline
-    from speccli.models.gguf_weights import gguf_config
-    from speccli.models.registry import ALIASES
+    from speccli.models.names import offline
+    from speccli.models.formats.gguf_weights import gguf_config
+    from speccli.models.names.registry import ALIASES
 
     alias = ALIASES[alias_name]
     package = offline.OFFLINE_MODELS.get(alias.offline) if alias.offline else None

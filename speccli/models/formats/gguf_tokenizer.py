@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from speccli.models import offline
-from speccli.models.registry import ResolvedModel
+from speccli.models.names import offline
+from speccli.models.names.registry import ResolvedModel
 
 Progress = Callable[[str], None]
 
@@ -26,7 +26,7 @@ def _tokenizer_cache_folder(resolved: ResolvedModel, cache_dir: Path) -> tuple[P
     None for a file that cannot be read (its load will say why)."""
     import transformers
 
-    from speccli.models.gguf_file import GgufFormatError, read_header
+    from speccli.models.formats.gguf_file import GgufFormatError, read_header
 
     path = resolved.gguf_path
     if path is None:
@@ -72,7 +72,7 @@ def load_gguf_tokenizer(resolved: ResolvedModel, cache_dir: Path, say: Progress)
             tokenizer.chat_template = template
             return tokenizer
     say(f"converting the tokenizer in {resolved.gguf_file} (once; it is kept in {cache_dir / 'tokenizers'})")
-    from speccli.models.gguf_weights import share_metadata_parse
+    from speccli.models.formats.gguf_weights import share_metadata_parse
 
     share_metadata_parse()  # the weights' config, converted next, reads the same parse
     tokenizer = AutoTokenizer.from_pretrained(resolved.location, gguf_file=resolved.gguf_file)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from speccli.models.drafts import LAYOUT_NAMES
+from speccli.models.pairs.drafts import LAYOUT_NAMES
 from speccli.models.errors import HeadsMismatch, ModelLoadError
 
 HUB_FILES = ["*.json", "*.safetensors", "*.bin", "*.pt"]

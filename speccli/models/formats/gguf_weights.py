@@ -26,8 +26,8 @@ import gguf
 import numpy as np
 import torch
 
-from speccli.models.gguf_config import config_dict
-from speccli.models.gguf_file import GgufHeader, GgufTensor, read_header
+from speccli.models.formats.gguf_config import config_dict
+from speccli.models.formats.gguf_file import GgufHeader, GgufTensor, read_header
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -1,4 +1,4 @@
-"""A published head (speccli.models.published_heads), checked against its target, built into the
+"""A published head (speccli.models.pairs.published_heads), checked against its target, built into the
 drafter that drafts with it: the weights renamed from the published layout into specgen's
 modules, the draft vocabulary from `d2t`, the features the head reads."""
 
@@ -19,7 +19,7 @@ from speccli.drafters.heads import EagleDrafter, MedusaDrafter
 from speccli.drafters.medusa_heads import MedusaHeads
 from speccli.drafters.model import DEFAULT_STOP_CONFIDENCE
 from speccli.models.errors import HeadsMismatch
-from speccli.models.published_heads import PublishedHead
+from speccli.models.pairs.published_heads import PublishedHead
 
 # Config keys an EAGLE-3 layer is built from; anything else in a head's config is not read.
 LAYER_KEYS = (

@@ -10,7 +10,7 @@ import torch
 
 from speccli.config import LoadConfig
 from speccli.models.errors import ModelLoadError
-from speccli.models.registry import ResolvedModel
+from speccli.models.names.registry import ResolvedModel
 
 
 def attention_heads(model_config: Any) -> tuple[int, int]:
