@@ -22,6 +22,7 @@ prompt, so slow drift of the machine hits every method alike):
   specgen-tree      specgen-draft drafting token trees (--tree): the draft branches where unsure
   specgen-ngram-tree  specgen-ngram drafting trees of several earlier continuations
   specgen-lookahead lookahead decoding (--draft lookahead): no draft model, a Jacobi window in every pass
+  specgen-draft-ngram  the draft and prompt lookup taking turns (--draft auto+ngram), k auto choosing
   specgen-medusa    Medusa heads trained by `specgen train medusa` for the target (from the cache)
   specgen-eagle     the EAGLE head trained by `specgen train eagle` (from the cache)
   specgen-medusa-tree, specgen-eagle-tree   the same drafting trees
@@ -67,6 +68,7 @@ from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.drafters.heads import HeadPasses
 from speccli.drafters.lookahead import LookaheadDrafter
 from speccli.drafters.model import ModelDrafter
+from speccli.drafters.candidates import CandidateDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.models.pairs.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
@@ -86,6 +88,7 @@ METHODS = (
     "specgen-tree",
     "specgen-ngram-tree",
     "specgen-lookahead",
+    "specgen-draft-ngram",
     "specgen-medusa",
     "specgen-medusa-tree",
     "specgen-eagle",
@@ -161,6 +164,13 @@ class Bench:
                 self.eos,
                 self.ngram_drafter,
                 CostCurve(costs.verify_seconds, None) if costs else None,
+            ),
+            "specgen-draft-ngram": Speculator.over(
+                target_lm,
+                target.tokenizer,
+                self.eos,
+                CandidateDrafter([self.draft_drafter, PromptLookupDrafter()]),
+                costs,
             ),
             "specgen-lookahead": Speculator.over(
                 target_lm,
@@ -398,6 +408,8 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     pairs += [("specgen-draft", "hf-assisted-int8"), ("specgen-draft", "specgen-plain"), ("specgen-plain", "hf-plain")]
     pairs += [("specgen-plain", "specgen-plain-stock"), ("specgen-plain-stock", "hf-plain")]
     pairs += [
+        ("specgen-draft-ngram", "specgen-draft"),
+        ("specgen-draft-ngram", "specgen-ngram"),
         ("specgen-lookahead", "specgen-plain"),
         ("specgen-lookahead", "specgen-ngram"),
         ("specgen-lookahead", "hf-prompt-lookup"),

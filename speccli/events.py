@@ -76,6 +76,9 @@ class StepEvent:
     # accepted tokens it had (the rest came from the window's and the pool's n-grams).
     guessed: int = 0
     guessed_kept: int = 0
+    # How the step drafted: "plain", or the drafter and its form ("model chain", "ngram tree",
+    # "lookahead"): what --stats and --json count by method.
+    method: str = "plain"
 
     def __post_init__(self) -> None:
         if self.fed == 0:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence, TypeGuard
+from typing import Iterable, Mapping, Sequence, TypeGuard
 
 import torch
 
 from speccli.autok.costs import CostCurve, PassTimes
 from speccli.autok.plan import StepPlan
-from speccli.autok.policy import AcceptancePrior, DraftLengthPolicy, KAuto
+from speccli.autok.policy import AcceptancePrior, DraftLengthPolicy, KAuto, KAutoPolicy
 from speccli.backends.base import CausalLM, FeatureLM, common_prefix_length
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.context import check_fits
@@ -88,6 +88,9 @@ class SpeculativeDecoder:
         # The draft's acceptance by position as an earlier session with this pair left it.
         self.prior = prior
         self.k_auto = KAuto()
+        # k auto of the candidates after the first, where drafters take turns (by name).
+        self._candidate_k_autos: dict[str, KAuto] = {}
+        self._free_drafts: tuple[CostCurve, CostCurve] | None = None
         self._features: FeatureFeed | None = None
         reader = self._source.features
         if reader is not None:
@@ -118,11 +121,15 @@ class SpeculativeDecoder:
     def policy_for(self, spec: SpecConfig) -> DraftLengthPolicy:
         """The policy of a generation with these settings (the drafter's own for a fixed k;
         k auto's kept across generations)."""
-        return self._source.policy(
-            spec.k,
-            self.costs,
-            lambda match_acceptance: self.k_auto.policy(spec.max_k, self.costs, self.prior, match_acceptance),
-        )
+
+        def adaptive(match_acceptance: Mapping[int, Sequence[float]] | None, key: str | None = None) -> KAutoPolicy:
+            if key is None:
+                return self.k_auto.policy(spec.max_k, self.costs, self.prior, match_acceptance)
+            # The candidates after the first need no model: their drafts cost nothing to draw.
+            k_auto = self._candidate_k_autos.setdefault(key, KAuto())
+            return k_auto.policy(spec.max_k, self._pass_costs(), None, match_acceptance)
+
+        return self._source.policy(spec.k, self.costs, adaptive)
 
     def learned(self) -> AcceptancePrior | None:
         """What `k=auto` has learned about the draft's acceptance so far, for the next session."""
@@ -235,6 +242,7 @@ class SpeculativeDecoder:
             draft_seconds=verify_started - draft_started,
             verify_seconds=self._clock() - verify_started,
             catch_up_seconds=prepared,
+            method=self._method(plan, drafted=len(draft)),
         )
         return StepOutcome(tokens, step_provenances(verdict.accepted, len(draft), verdict.resampled), event)
 
@@ -289,8 +297,26 @@ class SpeculativeDecoder:
             catch_up_seconds=prepared,
             guessed=len(draft.guess),
             guessed_kept=common_prefix_length(draft.guess, tokens[:-1]),
+            method=self._method(plan, drafted=tree.depth),
         )
         return StepOutcome(tokens, step_provenances(verdict.accepted, len(tree), verdict.resampled), event)
+
+    def _pass_costs(self) -> CostCurve | None:
+        """The calibration's pass costs without the draft model's (one curve kept per
+        calibration: k auto keeps its policy while the curve it was built from is the same)."""
+        if self.costs is None:
+            return None
+        if self._free_drafts is None or self._free_drafts[0] is not self.costs:
+            self._free_drafts = (self.costs, CostCurve(self.costs.verify_seconds, None))
+        return self._free_drafts[1]
+
+    def _method(self, plan: StepPlan, drafted: int) -> str:
+        """The step's method as --stats counts it: plain where nothing was drafted."""
+        if plan.k == 0 or drafted == 0 and plan.lookahead is None:
+            return "plain"
+        if plan.lookahead is not None:
+            return "lookahead"
+        return f"{plan.source or self._source.name} {plan.method}"
 
     def _branch_fits(self, cached: int, fed: int) -> bool:
         """Whether the lookahead branch may ride in a pass of `fed` tokens (the tree's and

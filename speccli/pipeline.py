@@ -15,9 +15,11 @@ from speccli.backends.llamacpp import LlamaCppLM
 from speccli.backends.static import StaticCausalLM, static_cache_problem
 from speccli.config import LoadConfig
 from speccli.drafters.base import Drafter
+from speccli.drafters.candidates import CandidateDrafter
 from speccli.drafters.model import DEFAULT_STOP_CONFIDENCE, ModelDrafter
 from speccli.drafters.registry import DRAFTERS
 from speccli.loop import SpeculativeDecoder, features_of
+from speccli.models.errors import ModelLoadError
 from speccli.models.pairs.compat import check_tokenizers_compatible, shared_vocab
 from speccli.models.pairs.drafts import AUTO as AUTO_DRAFT
 from speccli.models.pairs.drafts import choose_draft
@@ -124,6 +126,32 @@ class Pipeline:
         }
 
 
+# What may follow '+' in --draft: lookahead is prompt lookup's steps with a window of its own.
+TAKE_TURNS = ("ngram",)
+
+
+def split_candidates(draft_name: str) -> tuple[str, list[str]]:
+    """`--draft A+B+C`: the draft A, then drafters that need no model (DRAFTERS) taking turns
+    with it, each step drafted by the one k auto expects the most of. A name whose parts after
+    '+' are not all such drafters is refused, unless it is a path that exists."""
+    first, *rest = draft_name.split("+")
+    if not rest or Path(draft_name).expanduser().exists():
+        return draft_name, []
+    also = [part.strip().lower() for part in rest]
+    unknown = [part for part in also if part not in TAKE_TURNS]
+    if unknown or len(set(also)) != len(also):
+        raise ModelLoadError(
+            f"--draft {draft_name}: after '+' come drafters that need no model and take turns, each once",
+            hint=f"one of: {', '.join(TAKE_TURNS)} (e.g. --draft auto+ngram)",
+        )
+    if first.strip().lower() in (*DRAFTERS, NO_DRAFT):
+        raise ModelLoadError(
+            f"--draft {draft_name}: before '+' comes a draft model or heads",
+            hint="e.g. --draft auto+ngram, or --draft ngram alone",
+        )
+    return first.strip(), also
+
+
 def load_pipeline(
     target_name: str,
     draft_name: str,
@@ -136,6 +164,7 @@ def load_pipeline(
 
     Both tokenizers are loaded and compared before any weights, so that a mismatched
     draft is refused in seconds."""
+    draft_name, also = split_candidates(draft_name)
     auto = draft_name.strip().lower() == AUTO_DRAFT
     if auto:
         choice = choose_draft(target_name, cuda=choose_device(target_config.device).type == "cuda")
@@ -190,6 +219,10 @@ def load_pipeline(
         drafter = model_drafter(
             target_lm, target.tokenizer, draft, cuda_graphs=draft_config.cuda_graphs, compile=draft_config.compile
         )
+    if also:
+        if drafter is None:
+            raise ModelLoadError("--draft none cannot take turns with other drafters", hint="give a draft before '+'")
+        drafter = CandidateDrafter([drafter, *(DRAFTERS[name]() for name in also)])
     decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
 

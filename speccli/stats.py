@@ -48,6 +48,7 @@ class GenerationStats:
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     passes: Counter[int] = field(default_factory=Counter)  # verification passes by tokens fed
+    methods: Counter[str] = field(default_factory=Counter)  # steps by how they drafted (StepEvent.method)
     finish_reason: str | None = None
     _started: float | None = field(default=None, repr=False)
 
@@ -75,6 +76,7 @@ class GenerationStats:
             self.drafted_at[position] += drafted
             self.accepted_at[position] += accepted
         self.passes.update(other.passes)
+        self.methods.update(other.methods)
 
     @classmethod
     def pooled(cls, generations: Iterable["GenerationStats"]) -> "GenerationStats":
@@ -104,6 +106,7 @@ class GenerationStats:
             self.accepted += event.accepted
             self.fed += event.fed
             self.passes[event.fed] += 1
+            self.methods[event.method] += 1
             self.tree_steps += event.tree
             self.draft_seconds += event.draft_seconds
             self.verify_seconds += event.verify_seconds
@@ -171,6 +174,7 @@ class GenerationStats:
             "mean_draft_length": rounded(self.mean_draft_length),
             "mean_pass_size": rounded(self.mean_pass_size),
             "tree_steps": self.tree_steps,
+            "steps_by_method": dict(self.methods.most_common()),
             "provenance": dict(self.provenance),
             "prefill_seconds": rounded(self.prefill_seconds),
             "draft_seconds": rounded(self.draft_seconds),

@@ -14,6 +14,12 @@ class DraftSignal:
 
     match: int = 0  # the length of the n-gram prompt lookup's draft would continue (0: none)
     pooled: int = 0  # lookahead's pooled n-grams that start with the pending token
+    # Each candidate's own signal, by name, for drafters that take turns (speccli.drafters.candidates).
+    parts: tuple[tuple[str, DraftSignal], ...] = ()
+
+    def part(self, name: str) -> DraftSignal:
+        """Candidate `name`'s signal (this one where the drafter is not several)."""
+        return dict(self.parts).get(name, self)
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class StepPlan:
     tree: bool = False
     costs: CostCurve | None = None  # the live step costs that size a tree (None: the calibration's)
     lookahead: LookaheadPlan | None = None
+    source: str | None = None  # which candidate drafts, where drafters take turns
 
     def __post_init__(self) -> None:
         if self.k < 0:

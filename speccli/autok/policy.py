@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from speccli.autok.costs import CostCurve
 from speccli.autok.plan import DraftSignal, StepPlan
@@ -102,6 +102,14 @@ class StepCosts:
             self._counts["draft"] = weight
 
     def observe(self, step: StepEvent) -> None:
+        self.observe_pass(step)
+        if step.drafted:
+            self.draft_per_token = self._blend(
+                "draft", self.draft_per_token, (step.draft_seconds - step.catch_up_seconds) / step.drafted
+            )
+
+    def observe_pass(self, step: StepEvent) -> None:
+        """The step's verification pass alone (a step another drafter drafted)."""
         fed = step.fed
         if fed in self._calibrated:
             if fed not in self._counts:  # from here on its own: from what it was taken to cost
@@ -111,10 +119,6 @@ class StepCosts:
                 if size not in self._counts:
                     self.verify[size] = seconds * self.level
         self.verify[fed] = self._blend(fed, self.verify.get(fed), step.verify_seconds)
-        if step.drafted:
-            self.draft_per_token = self._blend(
-                "draft", self.draft_per_token, (step.draft_seconds - step.catch_up_seconds) / step.drafted
-            )
 
     def _blend(self, key: object, old: float | None, new: float) -> float:
         # A plain mean of the first few measurements, then an exponential moving average:
@@ -503,7 +507,15 @@ def _per_position(prior: float | Sequence[float], length: int) -> list[float]:
 # k auto's policy for a drafter, built from the acceptance its drafts start from by the length
 # of the n-gram they continue (None: drafts not keyed so).
 KAutoPolicy = AdaptiveDraftLength | DraftLengthByMatch
-KAutoFactory = Callable[[Mapping[int, Sequence[float]] | None], KAutoPolicy]
+
+
+class KAutoFactory(Protocol):
+    """Builds (or returns the kept) k auto policy of a drafter; `key` names a candidate whose
+    policy is kept apart from the drafter's own (None: the drafter's own)."""
+
+    def __call__(
+        self, match_acceptance: Mapping[int, Sequence[float]] | None, key: str | None = None
+    ) -> KAutoPolicy: ...
 
 
 class KAuto:

@@ -9,7 +9,7 @@ import torch
 
 from speccli.autok.costs import CostCurve
 from speccli.autok.plan import DraftSignal
-from speccli.autok.policy import DraftLengthPolicy, KAutoFactory
+from speccli.autok.policy import DraftLengthPolicy, FixedDraftLength, KAutoFactory
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
 from speccli.drafters.base import Draft, Drafter, TreeDraft
@@ -65,7 +65,7 @@ class PromptLookupDrafter(Drafter):
         adaptive: KAutoFactory,
     ) -> DraftLengthPolicy:
         """k auto keeps acceptance apart by the length matched (DraftLengthByMatch)."""
-        return super().policy(k, measured, lambda _: adaptive(LOOKUP_ACCEPTANCE))
+        return FixedDraftLength(k) if isinstance(k, int) else adaptive(LOOKUP_ACCEPTANCE)
 
     def signal(self, context: Sequence[int]) -> DraftSignal:
         return DraftSignal(match=self.match_length(context))

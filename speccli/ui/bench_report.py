@@ -41,6 +41,7 @@ CSV_COLUMNS = (
     "predicted_tokens_per_step",
     "mean_pass_size",
     "tree_steps",
+    "steps_by_method",
     "acceptance_by_position",
     "identical",
     "check",
@@ -248,6 +249,9 @@ def to_csv(results: BenchResults) -> str:
             "predicted_tokens_per_step": _r(st.predicted_tokens_per_step if st else None, 4),
             "mean_pass_size": _r(st.mean_pass_size if st else None, 4),
             "tree_steps": st.tree_steps if st else None,
+            "steps_by_method": " ".join(f"{m.replace(' ', '-')}:{n}" for m, n in st.methods.most_common())
+            if st
+            else None,
             "acceptance_by_position": " ".join(f"{x:.4f}" for x in st.acceptance_by_position) if st else None,
             "identical": row.identical,
             "check": row.check,

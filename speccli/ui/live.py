@@ -161,6 +161,8 @@ def answer_line(stats: GenerationStats, interrupted: bool = False, has_drafter: 
         ]
         if stats.tree_steps:
             parts.append(f"{fmt_optional(stats.mean_pass_size, '.1f')} tokens/pass (trees)")
+        if len(stats.methods) > 1:
+            parts.append(", ".join(f"{name} {count}" for name, count in stats.methods.most_common()))
     parts.append(f"first token {fmt_optional(stats.first_token_seconds, '.2f')} s")
     return " | ".join(parts)
 

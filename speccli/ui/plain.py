@@ -152,6 +152,9 @@ def figures_summary(figures: dict) -> str:
     if figures["acceptance_by_position"]:
         by_position = " ".join(f"{100 * rate:.0f}%" for rate in figures["acceptance_by_position"])
         lines.append(f"acceptance by draft position: {by_position}")
+    methods = figures.get("steps_by_method") or {}
+    if len(methods) > 1:
+        lines.append("steps by method: " + ", ".join(f"{name} {count}" for name, count in methods.items()))
     if figures["tree_steps"]:
         lines.append(
             f"trees: {figures['tree_steps']} of {figures['steps']} steps verified a tree;"

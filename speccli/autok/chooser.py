@@ -1,0 +1,58 @@
+"""k auto over several drafters at once (speccli.drafters.candidates): each step, the one whose
+own policy's plan promises the most tokens per second."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+from speccli.autok.plan import DraftSignal, StepPlan
+from speccli.autok.policy import DraftLengthPolicy, KAutoPolicy
+from speccli.events import StepEvent
+
+
+class MethodChooser(DraftLengthPolicy):
+    """Each candidate keeps its own k auto (acceptance by position, or by the length of the
+    n-gram matched), and every candidate's pass costs follow every step: the target's passes
+    are the same whoever drafted. Each step, every candidate's policy plans the step as if it
+    drafted alone; the plan with the most expected tokens per second of its modelled cost
+    runs. A candidate's policy already plans k 0 where drafting does not pay for it, so a
+    step is plain when no candidate's does. What a step says about acceptance reaches only
+    the policy that planned it; a plain step reaches every one (their probes count it)."""
+
+    def __init__(self, policies: Mapping[str, KAutoPolicy]) -> None:
+        if not policies:
+            raise ValueError("a chooser needs at least one candidate")
+        self.policies = dict(policies)
+        self._chosen: str | None = None
+
+    def begin(self) -> None:
+        for policy in self.policies.values():
+            policy.begin()
+
+    def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
+        best: StepPlan | None = None
+        best_rate = -1.0
+        for name, policy in self.policies.items():
+            plan = policy.plan(signal.part(name), room, trees)
+            if plan.k == 0:
+                continue
+            seconds = policy.costs.step_seconds(plan.k)
+            # Without measured costs (the first steps of an uncalibrated run) the first
+            # candidate that drafts runs, until the steps have measured them.
+            rate = policy.expected(plan.k) / seconds if seconds else 0.0
+            if rate > best_rate:
+                best, best_rate = replace(plan, source=name), rate
+        self._chosen = best.source if best is not None else None
+        return best if best is not None else StepPlan()
+
+    def observe(self, step: StepEvent) -> None:
+        chosen, self._chosen = self._chosen, None
+        for name, policy in self.policies.items():
+            if chosen is None or name == chosen:
+                policy.observe(step)
+            else:
+                policy.costs.observe_pass(step)
+
+    def next_k(self) -> int:
+        raise TypeError("a MethodChooser plans whole steps (plan), not a draft length alone")
