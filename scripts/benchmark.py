@@ -67,7 +67,6 @@ from speccli.bench.prompts import encode_bench_prompt, load_prompts
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.drafters.heads import HeadPasses
 from speccli.drafters.lookahead import LookaheadDrafter
-from speccli.drafters.model import ModelDrafter
 from speccli.drafters.candidates import CandidateDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.models.pairs.compat import check_tokenizers_compatible
@@ -216,7 +215,8 @@ class Bench:
         drafter = None if plain else generator.drafter
         spec = SpecConfig(k=self.k, max_new_tokens=max_new, tree=method in TREE_METHODS)
         # The target's passes and the drafter's own: a draft model's backend, or the heads' (HeadPasses).
-        models = [self.target_lm] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
+        draft_model = drafter.draft_model if drafter is not None else None
+        models = [self.target_lm] + ([draft_model] if draft_model is not None else [])
         models += [drafter] if isinstance(drafter, HeadPasses) else []
         forward_before = sum(m.forward_seconds for m in models)
         started = time.perf_counter()

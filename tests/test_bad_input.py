@@ -166,6 +166,10 @@ CASES = [
     # Empty strings
     (["generate", "x", "--target", "", "--device", "cpu"], EXIT_USAGE, "--target is empty"),
     (["generate", "x", *TINY, "--draft", " "], EXIT_USAGE, "--draft is empty"),
+    (["generate", "x", *TINY, "--draft", "auto+bogus"], EXIT_USAGE, "after '+' come drafters that need no model"),
+    (["generate", "x", *TINY, "--draft", "auto+"], EXIT_USAGE, "after '+' come drafters that need no model"),
+    (["generate", "x", *TINY, "--draft", "ngram+ngram"], EXIT_USAGE, "before '+' comes a draft model or heads"),
+    (["bench", "{prompts}", *TINY, "--draft", "none+ngram"], EXIT_USAGE, "before '+' comes a draft model or heads"),
     (["generate", "x", *TINY, "--stop", ""], EXIT_USAGE, "stop strings must not be empty"),
     (["generate", "x", *TINY, "--device", ""], EXIT_USAGE, "device must be one of"),
     (["generate", "x", "--server", ""], EXIT_USAGE, "--server is empty"),

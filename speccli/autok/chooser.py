@@ -18,7 +18,11 @@ class MethodChooser(DraftLengthPolicy):
     drafted alone; the plan with the most expected tokens per second of its modelled cost
     runs. A candidate's policy already plans k 0 where drafting does not pay for it, so a
     step is plain when no candidate's does. What a step says about acceptance reaches only
-    the policy that planned it; a plain step reaches every one (their probes count it)."""
+    the policy that planned it; a plain step reaches every one (their probes count it).
+
+    A step another candidate drafts is priced with one more of the first candidate's draft
+    passes: the first (a draft model, or heads) reads what that step settled before it
+    drafts again, a cost of the other's step, not of its own."""
 
     def __init__(self, policies: Mapping[str, KAutoPolicy]) -> None:
         if not policies:
@@ -33,11 +37,14 @@ class MethodChooser(DraftLengthPolicy):
     def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
         best: StepPlan | None = None
         best_rate = -1.0
+        first = next(iter(self.policies.values()))
         for name, policy in self.policies.items():
             plan = policy.plan(signal.part(name), room, trees)
             if plan.k == 0:
                 continue
             seconds = policy.costs.step_seconds(plan.k)
+            if seconds and policy is not first:
+                seconds += first.costs.draft_per_token or 0.0
             # Without measured costs (the first steps of an uncalibrated run) the first
             # candidate that drafts runs, until the steps have measured them.
             rate = policy.expected(plan.k) / seconds if seconds else 0.0
