@@ -270,9 +270,7 @@ class LookaheadGate(DraftLengthPolicy):
     def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
         """A lookahead step is a tree step carrying the window, the pool or both; the others
         are prompt lookup's, sized by its own k auto."""
-        self.expect(signal.match)
-        self.offer(signal.pooled)
-        k = max(0, min(self.next_k(), room))
+        k = self.draft_length(signal, room)
         if not self.lookahead_step:
             return StepPlan(k, tree=trees and k > 0, costs=self.meanwhile.costs.curve)
         return StepPlan(k, tree=k > 0, lookahead=LookaheadPlan(self.guess_length, self.pool_step, self.window_step))
@@ -296,5 +294,5 @@ class FixedLookahead(FixedDraftLength):
     lookahead step, with the whole window and pool."""
 
     def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
-        k = max(0, min(self.k, room))
+        k = self.draft_length(signal, room)
         return StepPlan(k, tree=k > 0, lookahead=LookaheadPlan() if k > 0 else None)

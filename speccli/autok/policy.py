@@ -24,10 +24,14 @@ class DraftLengthPolicy:
 
     def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
         """The coming step, drafting at most `room` tokens, as a tree where `trees` allows."""
+        k = self.draft_length(signal, room)
+        return StepPlan(k, tree=trees and k > 0, costs=self.costs.curve if self.costs is not None else None)
+
+    def draft_length(self, signal: DraftSignal, room: int) -> int:
+        """The coming step's k from the drafter's signal (the hooks below), at most `room`."""
         self.expect(signal.match)
         self.offer(signal.pooled)
-        k = max(0, min(self.next_k(), room))
-        return StepPlan(k, tree=trees and k > 0, costs=self.costs.curve if self.costs is not None else None)
+        return max(0, min(self.next_k(), room))
 
     def expect(self, match: int) -> None:
         """The length of prompt lookup's match for the coming step (0: none)."""

@@ -11,10 +11,16 @@ import torch
 from speccli.autok.chooser import MethodChooser
 from speccli.autok.costs import CostCurve
 from speccli.autok.plan import DraftSignal, StepPlan
-from speccli.autok.policy import AdaptiveDraftLength, DraftLengthByMatch, DraftLengthPolicy, KAutoFactory, KAutoPolicy
+from speccli.autok.policy import (
+    AdaptiveDraftLength,
+    DraftLengthByMatch,
+    DraftLengthPolicy,
+    FixedDraftLength,
+    KAutoFactory,
+    KAutoPolicy,
+)
 from speccli.backends.base import CausalLM
 from speccli.config import SamplingConfig
-from speccli.events import StepEvent
 from speccli.coupling import Noise
 from speccli.drafters.base import Draft, Drafter, FeatureReader, Settled, TreeDraft
 from speccli.tree import TreeShape
@@ -109,28 +115,20 @@ class CandidateDrafter(Drafter):
             candidate.rollback(length)
 
 
-class LongMatchFirst(DraftLengthPolicy):
+class LongMatchFirst(FixedDraftLength):
     """A fixed k over candidates: prompt lookup (`ngram`) where its match is LONG_MATCH tokens
     or more, else the first candidate."""
 
     def __init__(self, names: Sequence[str], k: int) -> None:
-        if k < 0:
-            raise ValueError(f"k must be >= 0, got {k}")
+        super().__init__(k)
         self.names = list(names)
-        self.k = k
 
     def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
-        k = max(0, min(self.k, room))
+        k = self.draft_length(signal, room)
         source = self.names[0]
         if "ngram" in self.names and signal.part("ngram").match >= LONG_MATCH:
             source = "ngram"
         return StepPlan(k, tree=trees and k > 0, source=source if k > 0 else None)
-
-    def next_k(self) -> int:
-        return self.k
-
-    def observe(self, step: StepEvent) -> None:
-        pass
 
 
 def _keyed(adaptive: KAutoFactory, name: str) -> KAutoFactory:
