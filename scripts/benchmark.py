@@ -11,9 +11,12 @@ prompt, so slow drift of the machine hits every method alike):
   hf-assisted       target.generate(..., assistant_model=draft), the draft as loaded for the target
   hf-assisted-int8  the same with specgen's draft (int8 on the CPU): what the cheaper draft alone gives
   hf-prompt-lookup  target.generate(..., prompt_lookup_num_tokens=10)
-  specgen-draft     specgen with its defaults: the draft loaded as specgen loads a draft (int8 on
-                    the CPU), k auto from a calibration made before timing, early stop on the
-                    draft's confidence
+  specgen-auto      specgen with its defaults (--draft auto, --tree auto, k auto): the draft and prompt
+                    lookup taking turns, chains or trees as each has measured faster, plain where
+                    drafting has not paid
+  specgen-draft     the draft alone drafting chains (--no-tree): the draft loaded as specgen loads a
+                    draft (int8 on the CPU), k auto from a calibration made before timing, early stop
+                    on the draft's confidence
   specgen-ngram     specgen's SpeculativeDecoder with PromptLookupDrafter
   specgen-plain     specgen's decode loop with no drafter (k = 0): what specgen's loading alone gives,
                     so that specgen-draft / specgen-plain is the gain of speculation alone
@@ -22,7 +25,7 @@ prompt, so slow drift of the machine hits every method alike):
   specgen-tree      specgen-draft drafting token trees (--tree): the draft branches where unsure
   specgen-ngram-tree  specgen-ngram drafting trees of several earlier continuations
   specgen-lookahead lookahead decoding (--draft lookahead): no draft model, a Jacobi window in every pass
-  specgen-draft-ngram  the draft and prompt lookup taking turns (--draft auto+ngram), k auto choosing
+  specgen-draft-ngram  the draft and prompt lookup taking turns, drafting chains (--draft auto --no-tree)
   specgen-medusa    Medusa heads trained by `specgen train medusa` for the target (from the cache)
   specgen-eagle     the EAGLE head trained by `specgen train eagle` (from the cache)
   specgen-medusa-tree, specgen-eagle-tree   the same drafting trees
@@ -80,6 +83,7 @@ METHODS = (
     "hf-assisted",
     "hf-assisted-int8",
     "hf-prompt-lookup",
+    "specgen-auto",
     "specgen-draft",
     "specgen-ngram",
     "specgen-plain",
@@ -171,6 +175,13 @@ class Bench:
                 CandidateDrafter([self.draft_drafter, PromptLookupDrafter()]),
                 costs,
             ),
+            "specgen-auto": Speculator.over(
+                target_lm,
+                target.tokenizer,
+                self.eos,
+                CandidateDrafter([self.draft_drafter, PromptLookupDrafter()]),
+                costs,
+            ),
             "specgen-lookahead": Speculator.over(
                 target_lm,
                 target.tokenizer,
@@ -213,7 +224,9 @@ class Bench:
         generator = self.generators[method]
         plain = method in ("specgen-plain", "specgen-plain-stock")
         drafter = None if plain else generator.drafter
-        spec = SpecConfig(k=self.k, max_new_tokens=max_new, tree=method in TREE_METHODS)
+        # Trees for the tree methods, chains for the others, and the default's own choice for specgen-auto.
+        tree = None if method == "specgen-auto" else method in TREE_METHODS
+        spec = SpecConfig(k=self.k, max_new_tokens=max_new, tree=tree)
         # The target's passes and the drafter's own: a draft model's backend, or the heads' (HeadPasses).
         draft_model = drafter.draft_model if drafter is not None else None
         models = [self.target_lm] + ([draft_model] if draft_model is not None else [])
@@ -418,6 +431,7 @@ def run_dtype(dtype: str, args, prompts) -> dict:
         ("specgen-ngram-tree", "specgen-ngram"),
         ("specgen-ngram-tree", "specgen-plain"),
     ]
+    pairs += [("specgen-auto", b) for b in FIXED_CHOICES]
     pairs += [(a, b) for a in HEAD_METHODS for b in ("specgen-plain", "specgen-draft")]
     pairs += [("specgen-eagle-tree", "specgen-eagle"), ("specgen-medusa-tree", "specgen-medusa")]
     pairs += [(a, "hf-plain") for a in ("hf-assisted", "hf-assisted-int8", "hf-prompt-lookup")]
@@ -463,6 +477,13 @@ def run_dtype(dtype: str, args, prompts) -> dict:
                 f"{key:<40} {fmt(of_medians, '.2f') + 'x':>10} {fmt(per_prompt, '.2f') + 'x':>21}"
                 f" {fmt(lowest, '.2f') + 'x':>14}"
             )
+    auto_check = default_against_fixed(rows, methods)
+    if auto_check:
+        print(
+            f"default (specgen-auto) pooled: {auto_check['pooled_against_best_fixed']:.2f}x the best fixed choice"
+            f" ({auto_check['best_fixed']}); lowest prompt {fmt(auto_check['lowest_against_plain'], '.2f')}x"
+            f" specgen-plain ({auto_check['lowest_prompt']})"
+        )
     n_div = sum(1 for r in rows for m in methods[1:] if not r["methods"][m]["identical"])
     print(f"divergences from hf-plain: {n_div}, of them mismatches: {len(errors)}" + (" (ERRORS)" if errors else ""))
 
@@ -486,6 +507,7 @@ def run_dtype(dtype: str, args, prompts) -> dict:
         "ratio_of_medians": ratios,
         "median_of_per_prompt_ratios": per_prompt_ratio,
         "lowest_per_prompt_ratios": worst_prompt_ratio,
+        "default_against_fixed": auto_check,
         "modelled_ratios": {
             key: dict(zip(("of_medians", "median_of_per_prompt", "lowest_prompt"), values))
             for key, values in modelled.items()
@@ -495,6 +517,49 @@ def run_dtype(dtype: str, args, prompts) -> dict:
         ],
         "errors": errors,
     }
+
+
+# The choices a user can fix by hand, against which the default (specgen-auto) is judged.
+FIXED_CHOICES = (
+    "specgen-draft",
+    "specgen-tree",
+    "specgen-ngram",
+    "specgen-ngram-tree",
+    "specgen-draft-ngram",
+    "specgen-lookahead",
+    "specgen-plain",
+)
+
+
+def default_against_fixed(rows: list[dict], methods: Sequence[str]) -> dict | None:
+    """specgen-auto against every fixed choice that ran: pooled tokens/s (all prompts' tokens
+    over all their seconds) against the best of them, and its lowest prompt against specgen-plain."""
+    fixed = [m for m in FIXED_CHOICES if m in methods]
+    if "specgen-auto" not in methods or not fixed:
+        return None
+
+    def pooled(method: str) -> float:
+        runs = [r["methods"][method] for r in rows]
+        return sum(run["new_tokens"] for run in runs) / sum(run["seconds"] for run in runs)
+
+    rates = {m: pooled(m) for m in ["specgen-auto", *fixed]}
+    best = max(fixed, key=lambda m: rates[m])
+    check: dict = {
+        "pooled_tokens_per_second": rates,
+        "best_fixed": best,
+        "pooled_against_best_fixed": rates["specgen-auto"] / rates[best],
+        "lowest_against_plain": None,
+        "lowest_prompt": None,
+    }
+    if "specgen-plain" in methods:
+        against = {
+            r["prompt"]: r["methods"]["specgen-auto"]["tokens_per_second"]
+            / r["methods"]["specgen-plain"]["tokens_per_second"]
+            for r in rows
+        }
+        lowest = min(against, key=lambda name: against[name])
+        check["lowest_against_plain"], check["lowest_prompt"] = against[lowest], lowest
+    return check
 
 
 # Methods whose whole cost is their target passes (no draft model): their speed can also be

@@ -239,7 +239,12 @@ def _learned_prior_from(data: dict[str, Any]) -> AcceptancePrior | None:
     opening = _prior_from(data["opening"]) if "opening" in data else None
     if "opening" in data and opening is None:
         return None
-    return AcceptancePrior(prior.acceptance, prior.steps, by_match, opening)
+    methods = tuple(
+        (str(way), float(entry["gain"]), float(entry["steps"])) for way, entry in data.get("methods", {}).items()
+    )
+    if not all(0.0 < gain < float("inf") and 0.0 < steps < float("inf") for _, gain, steps in methods):
+        return None
+    return AcceptancePrior(prior.acceptance, prior.steps, by_match, opening, methods)
 
 
 def _prior_from(data: dict[str, Any]) -> AcceptancePrior | None:
@@ -268,6 +273,8 @@ def remember(
         entry["by_match"] = {str(match): _prior_payload(prior) for match, prior in learned.by_match}
     if learned.opening is not None:
         entry["opening"] = _prior_payload(learned.opening)
+    if learned.methods:
+        entry["methods"] = {way: {"gain": gain, "steps": steps} for way, gain, steps in learned.methods}
     _write_entry(prior_path(calibration_path(identity, cache_dir)), identity, entry, stamp="saved")
     return learned
 

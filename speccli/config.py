@@ -68,15 +68,17 @@ class SpecConfig:
     maximises expected tokens per second from the acceptance and costs measured so far.
     max_k is also how far `auto` calibrates (passes over 1 .. max_k + 1 tokens); where the
     measured curve stops paying for longer drafts, `auto` stops short of it by itself.
-    tree: draft a tree of candidates k deep (speccli.tree) instead of one chain,
-    its size chosen from the measured pass costs.
+    tree: draft a tree of candidates k deep (speccli.tree) instead of one chain, its size
+    chosen from the measured pass costs (True), one chain (False), or under k auto whichever
+    of the two has measured the faster on this machine and text (None, "auto"; a fixed k then
+    drafts chains).
     """
 
     k: int | str = 4
     max_new_tokens: int = 256
     stop_strings: tuple[str, ...] = field(default_factory=tuple)
     max_k: int = 16
-    tree: bool = False
+    tree: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.k, str):

@@ -15,6 +15,7 @@ from typing import Iterable, Mapping, Sequence, TypeGuard
 import torch
 
 from speccli.autok.costs import CostCurve, PassTimes
+from speccli.autok.measured import MeasuredChoice, MethodRates
 from speccli.autok.plan import StepPlan
 from speccli.autok.policy import AcceptancePrior, DraftLengthPolicy, KAuto, KAutoPolicy
 from speccli.backends.base import CausalLM, FeatureLM, common_prefix_length
@@ -91,6 +92,9 @@ class SpeculativeDecoder:
         # k auto of the candidates after the first, where drafters take turns (by name).
         self._candidate_k_autos: dict[str, KAuto] = {}
         self._free_drafts: tuple[CostCurve, CostCurve] | None = None
+        # What each way of drafting gave against plain decoding (k auto), with the prior it began from.
+        self._rates: tuple[AcceptancePrior | None, MethodRates] | None = None
+        self._measured: MeasuredChoice | None = None
         self._features: FeatureFeed | None = None
         reader = self._source.features
         if reader is not None:
@@ -120,7 +124,7 @@ class SpeculativeDecoder:
 
     def policy_for(self, spec: SpecConfig) -> DraftLengthPolicy:
         """The policy of a generation with these settings (the drafter's own for a fixed k;
-        k auto's kept across generations)."""
+        k auto's kept across generations, under the measured rates of each way of drafting)."""
 
         def adaptive(match_acceptance: Mapping[int, Sequence[float]] | None, key: str | None = None) -> KAutoPolicy:
             if key is None:
@@ -129,11 +133,31 @@ class SpeculativeDecoder:
             k_auto = self._candidate_k_autos.setdefault(key, KAuto())
             return k_auto.policy(spec.max_k, self._pass_costs(), None, match_acceptance)
 
-        return self._source.policy(spec.k, self.costs, adaptive)
+        policy = self._source.policy(spec.k, self.costs, adaptive)
+        if isinstance(spec.k, int) or self.drafter is None:
+            return policy
+        kept = self._measured
+        if kept is None or kept.inner is not policy or kept.rates is not self.method_rates or kept.asked != spec.tree:
+            trees = self._source.drafts_trees
+            kept = MeasuredChoice(policy, self.method_rates, self._source.name, trees, spec.tree)
+            self._measured = kept
+        return kept
+
+    @property
+    def method_rates(self) -> MethodRates:
+        """The measured rates k auto's steps keep, from the prior's while it is the same."""
+        if self._rates is None or self._rates[0] is not self.prior:
+            methods = self.prior.methods if self.prior is not None else ()
+            self._rates = (self.prior, MethodRates.seeded(methods))
+        return self._rates[1]
 
     def learned(self) -> AcceptancePrior | None:
-        """What `k=auto` has learned about the draft's acceptance so far, for the next session."""
-        return self.k_auto.learned()
+        """What `k=auto` has learned about the draft's acceptance so far (and how each way of
+        drafting paid), for the next session."""
+        learned = self.k_auto.learned()
+        if learned is None or self._rates is None:
+            return learned
+        return replace(learned, methods=self._rates[1].learned())
 
     def _run(
         self,
@@ -166,7 +190,7 @@ class SpeculativeDecoder:
             room = spec.max_new_tokens - emitted - 1
             if max_length is not None:
                 room = min(room, max_length - len(context))
-            plan = policy.plan(self._source.signal(context), room, spec.tree)
+            plan = policy.plan(self._source.signal(context), room, bool(spec.tree))
 
             step += 1
             # The output position of the next token: the coupled rule's noise is chosen by it.

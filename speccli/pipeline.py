@@ -128,6 +128,8 @@ class Pipeline:
 
 # What may follow '+' in --draft: lookahead is prompt lookup's steps with a window of its own.
 TAKE_TURNS = ("ngram",)
+# What takes turns with the draft model or heads that --draft auto picks.
+AUTO_TAKES_TURNS = ("ngram",)
 
 
 def split_candidates(draft_name: str) -> tuple[str, list[str]]:
@@ -219,6 +221,10 @@ def load_pipeline(
         drafter = model_drafter(
             target_lm, target.tokenizer, draft, cuda_graphs=draft_config.cuda_graphs, compile=draft_config.compile
         )
+    if auto and not also and drafter is not None and key not in DRAFTERS:
+        also = list(AUTO_TAKES_TURNS)  # a draft model or heads, with prompt lookup where it promises more
+        if progress is not None:
+            progress(f"draft: {draft_name} and {', '.join(also)}, each step the one k auto expects more of")
     if also:
         if drafter is None:
             raise ModelLoadError("--draft none cannot take turns with other drafters", hint="give a draft before '+'")

@@ -86,6 +86,15 @@ def never_ends(model: LlamaForCausalLM) -> LlamaForCausalLM:
     return model
 
 
+@pytest.fixture(autouse=True)
+def measured_floor(request, monkeypatch) -> None:
+    """k auto's floor (speccli.autok.measured) stops a way of drafting by the wall-clock time of
+    its steps: with tiny models that is Python's time, not the passes' the tests price. Off in
+    the tests of this process unless a test is marked `floor` (which then sets its clock)."""
+    if request.node.get_closest_marker("floor") is None:
+        monkeypatch.setattr("speccli.autok.measured.PAYS_AT_LEAST", 0.0)
+
+
 @pytest.fixture
 def private_cache(tmp_path, monkeypatch) -> Path:
     """specgen's cache (calibrations) in this test's own folder, for the command run in the

@@ -352,17 +352,23 @@ def test_the_learned_acceptance_is_kept_beside_the_calibration_and_seeds_the_nex
         tuple(round(a, 4) for a in learned.acceptance),
         learned.steps,
         opening=AcceptancePrior(tuple(round(a, 4) for a in learned.opening.acceptance), learned.opening.steps),
+        methods=learned.methods,
     )
     assert saved.steps > 0 and len(saved.acceptance) == 8  # FLAT measured passes over up to 9 tokens
+    assert {way for way, _, _ in saved.methods} == {"model chain", "model tree"}  # --tree auto tried both
 
     # The next session reads it back with the calibration, and its policy starts from it.
     again = pipeline_for(folders)
     policy_generator = again.speculator()
     policy_generator.calibrate(auto.max_k)
     assert again.decoder.prior == saved
-    policy = again.decoder.policy_for(auto)
+    policy = again.decoder.policy_for(auto).inner
     assert policy.prior == list(saved.acceptance) and policy.prior_steps == saved.steps
     assert AcceptancePrior((policy.opening_prior,), policy.opening_prior_steps) == saved.opening
+    # And how each way of drafting paid, worth a few steps (speccli.autok.measured.PRIOR_STEPS).
+    seeded = again.decoder.method_rates.ways
+    for way, gain, steps in saved.methods:
+        assert seeded[way].gain == pytest.approx(gain) and seeded[way].steps == min(steps, 6.0)
 
     # Damaged or foreign files are ignored: the default prior, and the costs still load.
     for damage in (
@@ -402,7 +408,7 @@ def test_prompt_lookup_remembers_its_acceptance_by_match_length(folders, tmp_pat
     # The next session starts each match length from what it learned, the others from the default.
     again = pipeline_for(folders, draft="ngram")
     again.speculator().calibrate(auto.max_k)
-    policy = again.decoder.policy_for(auto)
+    policy = again.decoder.policy_for(auto).inner
     for match in (1, 2, 3):
         remembered = saved.for_match(match)
         expected = list(remembered.acceptance) if remembered else list(LOOKUP_ACCEPTANCE[match])

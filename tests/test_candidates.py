@@ -77,9 +77,9 @@ def test_k_auto_chooses_between_candidates_and_keeps_the_greedy_output(pairs, to
     pair = pairs[0]
     decoder = SpeculativeDecoder(wrap(pair.target), tokenizer, [EOS], candidates(pair, tokenizer))
     spec = SpecConfig(k="auto", max_new_tokens=MAX_NEW, tree=tree)
-    policy = decoder.policy_for(spec)
+    policy = decoder.policy_for(spec).inner
     assert isinstance(policy, MethodChooser) and list(policy.policies) == ["model", "ngram"]
-    assert decoder.policy_for(spec).policies["model"] is policy.policies["model"]  # kept across generations
+    assert decoder.policy_for(spec).inner.policies["model"] is policy.policies["model"]  # kept across generations
     methods = collections.Counter()
     for prompt in PROMPTS:
         ids = encode(tokenizer, prompt)
@@ -192,3 +192,21 @@ def test_a_drafter_without_a_model_cannot_lead_others(folders, draft):
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines()[0].startswith(f"error: --draft {draft}: ")
     assert "Traceback" not in result.stderr
+
+
+def test_draft_auto_lets_prompt_lookup_take_turns_with_the_draft_it_picks(folders, monkeypatch):
+    from speccli.models.pairs.drafts import DraftChoice
+
+    monkeypatch.setattr(
+        "speccli.pipeline.choose_draft", lambda target, cuda=False: DraftChoice(folders["draft"], "picked")
+    )
+    expected = reference_text(folders, "abcabc abcabc", 24)
+    args = ["generate", "abcabc abcabc", "--target", folders["target"], "-n", "24", "--json", *ON_CPU]
+    result = invoke([*args, "--dtype", "float32"])
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["text"] == expected
+    assert payload["settings"]["drafter"] == "model+ngram" and payload["settings"]["tree"] == "auto"
+    assert f"draft: {folders['draft']} and ngram, each step the one k auto expects more of" in result.stderr
+    named = invoke([*args, "--draft", folders["draft"], "--dtype", "float32"])  # a draft given by hand drafts alone
+    assert named.exit_code == 0 and json.loads(named.stdout)["settings"]["drafter"] == "model"

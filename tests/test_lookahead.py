@@ -329,7 +329,7 @@ def test_where_no_shape_pays_lookahead_makes_the_passes_prompt_lookup_makes(pair
     target = pairs[0].target
     decoders = beside_prompt_lookup(target, tokenizer, costs)
     auto = SpecConfig(k="auto", max_new_tokens=MAX_NEW)
-    assert isinstance(decoders["lookahead"].policy_for(auto), DraftLengthByMatch)
+    assert isinstance(decoders["lookahead"].policy_for(auto).inner, DraftLengthByMatch)
     steps = same_passes_as_prompt_lookup(decoders, target, tokenizer, auto)
     assert sum(drafted for _, drafted, _, _ in steps) > 0  # the text's own n-grams were drafted, not only plain steps
 
@@ -353,7 +353,7 @@ def test_with_tree_the_steps_the_gate_holds_back_are_prompt_lookups_trees(pairs,
     target = pairs[0].target
     decoders = beside_prompt_lookup(target, tokenizer, costs)
     tree_auto = SpecConfig(k="auto", max_new_tokens=MAX_NEW, tree=True)
-    gate = decoders["lookahead"].policy_for(tree_auto)
+    gate = decoders["lookahead"].policy_for(tree_auto).inner
     assert isinstance(gate, LookaheadGate)
     gate.window_value, gate.prior_gain, gate.probe_every = 0.0, 0.0, 10**6  # neither the window nor the pool pays
     decoders["lookahead"].policy_for = lambda spec: gate
@@ -376,7 +376,8 @@ def test_no_pass_is_larger_than_the_largest_measured(pairs, tokenizer):
     steps = []
     for prompt in PROMPTS:
         ids = encode(tokenizer, prompt)
-        events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k="auto", max_new_tokens=MAX_NEW)))
+        spec = SpecConfig(k="auto", max_new_tokens=MAX_NEW, tree=False)  # chains where the window does not ride
+        events = list(decoder.generate(ids, SamplingConfig(), spec))
         assert emitted(events) == target_greedy(pair.target, ids), prompt
         steps += [e for e in events if isinstance(e, StepEvent)]
     assert max(e.fed for e in steps) <= 13
@@ -572,7 +573,7 @@ def test_k_auto_gates_lookahead_and_a_fixed_k_does_not(pairs, tokenizer):
 
     decoder = SpeculativeDecoder(wrap(pairs[0].target), tokenizer, [EOS], LookaheadDrafter())
     decoder.costs = CostCurve({1: 0.1, **{fed: 0.12 for fed in range(2, 18)}}, None)
-    gate = decoder.policy_for(SpecConfig(k="auto", max_new_tokens=8))
+    gate = decoder.policy_for(SpecConfig(k="auto", max_new_tokens=8)).inner
     assert isinstance(gate, LookaheadGate) and gate.shape == DEFAULT_SHAPE
     assert gate.extra == 16 and gate.prior_gain == pytest.approx(window_gain(17))
     assert gate.meanwhile is decoder.k_auto.kept  # prompt lookup's k auto, as --draft ngram's
@@ -586,10 +587,9 @@ def test_where_the_window_pays_beside_no_guess_it_rides_every_step_there(pairs, 
     decoder = SpeculativeDecoder(wrap(pairs[0].target), tokenizer, [EOS], LookaheadDrafter())
     decoder.costs = CostCurve(AUTO_COSTS["auto-steep"], None)
     steps = []
+    chains = SpecConfig(k="auto", max_new_tokens=MAX_NEW, tree=False)  # trees: lookahead's steps alone
     for prompt in PROMPTS:
-        events = list(
-            decoder.generate(encode(tokenizer, prompt), SamplingConfig(), SpecConfig(k="auto", max_new_tokens=MAX_NEW))
-        )
+        events = list(decoder.generate(encode(tokenizer, prompt), SamplingConfig(), chains))
         steps += [e for e in events if isinstance(e, StepEvent)][:-1]  # a last step may have room for one token
     unguessed = [e for e in steps if e.tree and e.guessed == 0]
     assert unguessed and all(

@@ -53,6 +53,9 @@ class MethodChooser(DraftLengthPolicy):
         self._chosen = best.source if best is not None else None
         return best if best is not None else StepPlan()
 
+    def plain_seconds(self) -> float | None:
+        return next(iter(self.policies.values())).plain_seconds()
+
     def observe(self, step: StepEvent) -> None:
         chosen, self._chosen = self._chosen, None
         for name, policy in self.policies.items():

@@ -267,6 +267,9 @@ class LookaheadGate(DraftLengthPolicy):
         """The length of prompt lookup's match for the coming step, for the `meanwhile` policy."""
         self.meanwhile.expect(match)
 
+    def plain_seconds(self) -> float | None:
+        return self.meanwhile.plain_seconds()
+
     def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
         """A lookahead step is a tree step carrying the window, the pool or both; the others
         are prompt lookup's, sized by its own k auto."""

@@ -27,6 +27,10 @@ class DraftLengthPolicy:
         k = self.draft_length(signal, room)
         return StepPlan(k, tree=trees and k > 0, costs=self.costs.curve if self.costs is not None else None)
 
+    def plain_seconds(self) -> float | None:
+        """What a plain step costs now, by the measured costs (None: not measured)."""
+        return self.costs.step_seconds(0) if self.costs is not None else None
+
     def draft_length(self, signal: DraftSignal, room: int) -> int:
         """The coming step's k from the drafter's signal (the hooks below), at most `room`."""
         self.expect(signal.match)
@@ -163,6 +167,8 @@ class AcceptancePrior:
     # A draft model's opening guesses (AdaptiveDraftLength.begin): the chance the first
     # drafted token of an answer is accepted, and the opening steps that stands for.
     opening: "AcceptancePrior | None" = None
+    # How each way of drafting paid against plain decoding (speccli.autok.measured): (way, gain, steps).
+    methods: tuple[tuple[str, float, float], ...] = ()
 
     def for_match(self, match: int) -> "AcceptancePrior | None":
         return dict(self.by_match).get(match)

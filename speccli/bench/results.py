@@ -27,7 +27,7 @@ class BenchSettings:
     chat: bool = False
     system: str | None = None
     stop_strings: tuple[str, ...] = ()
-    tree: bool = False
+    tree: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.ks:

@@ -166,12 +166,13 @@ TARGET_HELP = "Target model: an alias (see `specgen models`), a Hugging Face hub
 DRAFT_HELP = (
     "auto: on CUDA the target's registered published head (EAGLE-3 first), else the smallest registered model "
     "sharing the target's tokenizer (its family first; the default target gets the offline draft), else prompt "
-    "lookup, said on stderr (`specgen models --drafts-for TARGET` lists the choices). Or a draft model (same forms "
+    "lookup, said on stderr (`specgen models --drafts-for TARGET` lists the choices); a draft model or head takes "
+    "turns with prompt lookup, each step the one k auto expects more of. Or a draft model (same forms "
     "as --target), `ngram` for prompt lookup or `lookahead` for lookahead decoding (no draft model: guesses from "
     "the text and from the target itself), `eagle3:HUB_ID|FOLDER` for a published EAGLE-3 head (`eagle3` alone: the "
     "one registered for the target), `eagle:HUB_ID|FOLDER` or `medusa:HUB_ID|FOLDER` for published EAGLE-1/2 or "
     "Medusa heads, `medusa[:FILE]` or `eagle[:FILE]` for heads trained here (`specgen train`; found in the cache "
-    "without FILE), or `none` for plain target decoding."
+    "without FILE), or `none` for plain target decoding. `A+ngram`: the draft A and prompt lookup taking turns."
 )
 
 
@@ -294,11 +295,21 @@ TreeOpt = Annotated[
         help=(
             "Draft a tree of candidates k deep instead of one chain: the draft model branches where it is unsure "
             "(ngram: several earlier continuations) and one target pass checks every branch; its size follows the "
-            "measured pass costs. Pays where a pass over many tokens costs little more than one (bfloat16 on CPUs "
-            "with bf16 units, GPUs)."
+            "measured pass costs. Without --tree or --no-tree, k auto drafts whichever of the two has given more "
+            "tokens per second here (a fixed --k drafts chains)."
         ),
     ),
 ]
+NoTreeOpt = Annotated[bool, typer.Option("--no-tree", help="Draft one chain, never a tree (see --tree).")]
+
+
+def tree_choice(tree: bool, no_tree: bool) -> bool | None:
+    """--tree and --no-tree as SpecConfig.tree: True, False, or None (auto) when neither is given."""
+    if tree and no_tree:
+        raise UsageError("--tree and --no-tree contradict each other: give one, or neither for auto")
+    return True if tree else False if no_tree else None
+
+
 RecalibrateOpt = Annotated[
     bool,
     typer.Option(

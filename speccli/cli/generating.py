@@ -17,11 +17,13 @@ from speccli.cli.app import (
     TargetOpt,
     TopKOpt,
     TopPOpt,
+    NoTreeOpt,
     TreeOpt,
     app,
     default_draft,
     default_target,
     run_guarded,
+    tree_choice,
     with_load_options,
 )
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig, parse_draft_length
@@ -47,6 +49,7 @@ def generate(
         ),
     ),
     tree: TreeOpt = False,
+    no_tree: NoTreeOpt = False,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
     temperature: float = typer.Option(
         0.0, "--temperature", help="0 is greedy: exactly the target's own greedy output."
@@ -110,6 +113,7 @@ def generate(
                 prompt=prompt,
                 k=k,
                 tree=tree,
+                no_tree=no_tree,
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 top_k=top_k,
@@ -131,7 +135,7 @@ def generate(
         from speccli.pipeline import load_pipeline
         from speccli.prompts import NoChatTemplateError, Prompt
 
-        sampling, spec = _generation_settings(k, max_new_tokens, temperature, top_k, top_p, seed, stop, tree)
+        sampling, spec = _generation_settings(k, max_new_tokens, temperature, top_k, top_p, seed, stop, tree, no_tree)
         text = read_prompt(prompt)
         target_config, draft_config = options.configs()
         pipeline = load_pipeline(options.target, options.draft, target_config, draft_config, progress)
@@ -172,7 +176,9 @@ def _generation_settings(
     seed: Optional[int],
     stop: list[str],
     tree: bool,
+    no_tree: bool,
 ) -> tuple[SamplingConfig, SpecConfig]:
+    chosen = tree_choice(tree, no_tree)
     try:
         draft_length = parse_draft_length(k)
     except ValueError as error:
@@ -180,7 +186,7 @@ def _generation_settings(
     try:
         return (
             SamplingConfig(temperature, top_k, top_p, seed),
-            SpecConfig(k=draft_length, max_new_tokens=max_new_tokens, stop_strings=tuple(stop), tree=tree),
+            SpecConfig(k=draft_length, max_new_tokens=max_new_tokens, stop_strings=tuple(stop), tree=chosen),
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -198,6 +204,7 @@ def _generate_remote(
     prompt: Optional[str],
     k: str,
     tree: bool,
+    no_tree: bool,
     max_new_tokens: int,
     temperature: float,
     top_k: int,
@@ -224,7 +231,7 @@ def _generate_remote(
             f"{', '.join(loaded_here)} cannot apply with --server: the server loaded its models",
             "set them on `specgen serve`, or drop --server to load the models here",
         )
-    sampling, spec = _generation_settings(k, max_new_tokens, temperature, top_k, top_p, seed, stop, tree)
+    sampling, spec = _generation_settings(k, max_new_tokens, temperature, top_k, top_p, seed, stop, tree, no_tree)
     text = read_prompt(prompt)
 
     def progress(message: str) -> None:
@@ -248,6 +255,7 @@ def chat(
     draft: DraftOpt = None,
     k: str = typer.Option("auto", "--k", "-k", help="Tokens drafted per step (>= 1) or auto; /set k changes it."),
     tree: TreeOpt = False,
+    no_tree: NoTreeOpt = False,
     max_new_tokens: int = typer.Option(
         512, "--max-new-tokens", "-n", help="Longest answer, in tokens; /set max_tokens changes it."
     ),
@@ -288,7 +296,7 @@ def chat(
         return run_chat(
             lambda: load_pipeline(options.target, options.draft, target_config, draft_config, progress),
             k=draft_length,
-            tree=tree,
+            tree=tree_choice(tree, no_tree),
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_k=top_k,
@@ -324,6 +332,7 @@ def bench(
         help="Draft length, or a comma-separated sweep such as 1,2,4,8,auto (auto: the adaptive policy).",
     ),
     tree: TreeOpt = False,
+    no_tree: NoTreeOpt = False,
     repeat: int = typer.Option(
         1, "--repeat", "-r", help="Run every prompt this many times; mean and spread are reported."
     ),
@@ -386,7 +395,8 @@ def bench(
             raise UsageError(f"--format must be one of {', '.join(bench_report.FORMATS)}, got {output_format!r}")
         try:
             sampling = SamplingConfig(temperature, top_k, top_p, seed)
-            settings = BenchSettings(sampling, max_new_tokens, tuple(ks), repeat, chat=chat, system=system, tree=tree)
+            form = tree_choice(tree, no_tree)
+            settings = BenchSettings(sampling, max_new_tokens, tuple(ks), repeat, chat=chat, system=system, tree=form)
         except ValueError as error:
             raise UsageError(str(error)) from None
         if options.draft.strip().lower() == NO_DRAFT:
@@ -466,6 +476,7 @@ def serve(
         "auto", "--k", "-k", help="Tokens drafted per step (>= 1) or auto, for requests that do not set `specgen.k`."
     ),
     tree: TreeOpt = False,
+    no_tree: NoTreeOpt = False,
     load: Optional[dict] = None,
     recalibrate: RecalibrateOpt = False,
     quiet: QuietOpt = False,
@@ -496,7 +507,7 @@ def serve(
         from speccli.serve.service import GenerationService
 
         try:
-            defaults = SpecConfig(k=parse_draft_length(k), tree=tree)
+            defaults = SpecConfig(k=parse_draft_length(k), tree=tree_choice(tree, no_tree))
         except ValueError as error:
             raise UsageError(f"--{error}") from None
         if api_key is not None and not api_key.strip():

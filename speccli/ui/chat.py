@@ -434,7 +434,7 @@ def run_chat(
     pipeline,
     *,
     k: int | str = "auto",
-    tree: bool = False,
+    tree: bool | None = None,
     max_new_tokens: int = DEFAULT_MAX_TOKENS,
     temperature: float = 0.0,
     top_k: int = 0,

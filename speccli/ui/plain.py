@@ -63,7 +63,9 @@ def generation_settings(pipeline: Pipeline, sampling: SamplingConfig, spec: Spec
     """What a generation ran with: its settings and where the models ran."""
     info = pipeline.model_info()
     return {
+        "drafter": info["drafter"],
         "k": spec.k,
+        "tree": "auto" if spec.tree is None else spec.tree,
         "max_new_tokens": spec.max_new_tokens,
         "temperature": sampling.temperature,
         "top_k": sampling.top_k,

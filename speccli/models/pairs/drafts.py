@@ -216,9 +216,10 @@ def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
         DraftOption(
             PROMPT_LOOKUP,
             "drafter",
-            "prompt lookup: continuations copied from the text so far",
-            chosen == PROMPT_LOOKUP,
-            chosen_cuda == PROMPT_LOOKUP,
+            "prompt lookup: continuations copied from the text so far (under auto beside a model or head, taking"
+            " turns with it)",
+            True,
+            True,
         )
     )
     options.append(DraftOption("lookahead", "drafter", "lookahead decoding: n-grams the target's own passes propose"))
