@@ -65,7 +65,7 @@ def _parse_switch(name: str, raw: str) -> bool:
     switch = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
     value = switch.get(raw.lower())
     if value is None:
-        raise SettingError(f"{name} must be on or off, got {raw!r}")
+        raise SettingError(f"{name} must be on, off or auto, got {raw!r}")
     return value
 
 
@@ -139,7 +139,7 @@ class ChatSettings:
         elif name == "k" and raw.lower() == AUTO_K:
             value = AUTO_K
         elif name == "tree":
-            value = _parse_switch(name, raw)
+            value = None if raw.lower() == "auto" else _parse_switch(name, raw)
         else:
             value = _parse_int(name, raw)
         return name, self.with_value(name, value)

@@ -161,6 +161,7 @@ def test_set_tree_switches_the_next_answers_to_token_trees():
     name, settings = ChatSettings().changed("Tree", "on")
     assert (name, settings.spec.tree) == ("tree", True)
     assert settings.changed("tree", "off")[1].spec.tree is False
+    assert settings.changed("tree", "auto")[1].spec.tree is None  # k auto chooses, as without --tree
 
 
 @pytest.mark.parametrize(
@@ -191,7 +192,7 @@ def test_set_tree_switches_the_next_answers_to_token_trees():
             "error: unknown setting 'colour'; one of temperature, top_p, top_k, k, max_tokens, seed, tree",
         ),
         ("/set k", "error: usage: /set NAME VALUE, NAME one of temperature, top_p, top_k, k, max_tokens, seed, tree"),
-        ("/set tree maybe", "error: tree must be on or off, got 'maybe'"),
+        ("/set tree maybe", "error: tree must be on, off or auto, got 'maybe'"),
         ("/frobnicate", "error: unknown command /frobnicate; /help lists the commands"),
         ("/save", "error: usage: /save PATH"),
         ("/regen", "error: there is no answer to regenerate yet"),
