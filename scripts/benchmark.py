@@ -245,6 +245,7 @@ class Bench:
             "acceptance": stats.acceptance_rate,
             "tokens_per_step": stats.tokens_per_step,
             "pass_size": stats.mean_pass_size,
+            "steps_by_method": dict(sorted(stats.methods.items())),
             "passes": dict(sorted(stats.passes.items())),  # tokens fed: count (keys become strings in the JSON)
             "forward_seconds": forward,
             "overhead": (wall - forward) / wall if wall > 0 else None,

@@ -210,3 +210,36 @@ def test_draft_auto_lets_prompt_lookup_take_turns_with_the_draft_it_picks(folder
     assert f"draft: {folders['draft']} and ngram, each step the one k auto expects more of" in result.stderr
     named = invoke([*args, "--draft", folders["draft"], "--dtype", "float32"])  # a draft given by hand drafts alone
     assert named.exit_code == 0 and json.loads(named.stdout)["settings"]["drafter"] == "model"
+
+
+def test_prompt_lookup_says_how_its_guess_fared_in_a_step_another_drafted():
+    from speccli.autok.plan import ShadowGuess
+
+    lookup = PromptLookupDrafter()
+    context = [1, 2, 3, 4, 1, 2]
+    lookup.start(context)
+    assert lookup.signal(context) == DraftSignal(match=2)  # it would guess 3 4 1 2 (after the earlier 1 2)
+    context += [3, 4, 9]  # a step another drafter drafted settled three tokens: two as guessed, then not
+    assert lookup.signal(context).shadow == ShadowGuess(match=2, compared=3, kept=2)
+    context += [5]  # no n-gram ending in 4 9 occurred earlier: nothing was guessed
+    assert lookup.signal(context).shadow is None
+    context += [1, 2, 3]
+    lookup.signal(context)  # guesses 4 9 5 1 2 3 after the earlier 1 2 3
+    assert lookup.signal([*context, 4, 9]).shadow == ShadowGuess(match=3, compared=2, kept=2)  # all it could see
+
+
+def test_the_guesses_of_steps_others_drafted_teach_prompt_lookups_k_auto():
+    from speccli.autok.chooser import MethodChooser
+    from speccli.autok.plan import ShadowGuess
+    from speccli.autok.policy import AdaptiveDraftLength, DraftLengthByMatch
+
+    model = AdaptiveDraftLength(max_k=8)
+    lookup = DraftLengthByMatch(lambda match: AdaptiveDraftLength(max_k=8, prior_acceptance=0.3))
+    chooser = MethodChooser({"model": model, "ngram": lookup})
+    before = lookup.policy(3).acceptance()[0]
+    right = DraftSignal(parts=(("model", DraftSignal()), ("ngram", DraftSignal(match=3, shadow=ShadowGuess(3, 4, 4)))))
+    for number in range(10):
+        chooser.plan(right, 16, False)
+        chooser.observe(StepEvent(number, 4, 4, 0.0, 0.1, method="model chain"))
+    assert lookup.policy(3).acceptance()[0] > max(before, 0.9)
+    assert model.acceptance()[0] > 0.7  # the model's own steps, all accepted

@@ -29,8 +29,10 @@ class MethodChooser(DraftLengthPolicy):
             raise ValueError("a chooser needs at least one candidate")
         self.policies = dict(policies)
         self._chosen: str | None = None
+        self._last: str | None = None  # the candidate that drafted the last step (None: plain)
 
     def begin(self) -> None:
+        self._last = None
         for policy in self.policies.values():
             policy.begin()
 
@@ -39,7 +41,10 @@ class MethodChooser(DraftLengthPolicy):
         best_rate = -1.0
         first = next(iter(self.policies.values()))
         for name, policy in self.policies.items():
-            plan = policy.plan(signal.part(name), room, trees)
+            part = signal.part(name)
+            if part.shadow is not None and name != self._last:
+                policy.shadow(part.shadow)  # what its guess would have done in the step another drafted
+            plan = policy.plan(part, room, trees)
             if plan.k == 0:
                 continue
             seconds = policy.costs.step_seconds(plan.k)
@@ -58,6 +63,7 @@ class MethodChooser(DraftLengthPolicy):
 
     def observe(self, step: StepEvent) -> None:
         chosen, self._chosen = self._chosen, None
+        self._last = chosen if step.drafted else None
         for name, policy in self.policies.items():
             if chosen is None or name == chosen:
                 policy.observe(step)

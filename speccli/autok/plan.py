@@ -9,11 +9,26 @@ from speccli.autok.costs import CostCurve
 
 
 @dataclass(frozen=True)
+class ShadowGuess:
+    """What a cheap drafter (prompt lookup) would have drafted for the last step, which another
+    drafted, against the tokens that step settled: its acceptance learned without drafting."""
+
+    match: int  # the length of the n-gram it continued
+    compared: int  # its guessed tokens compared: as many as the step settled, at most all it guessed
+    kept: int  # the leading ones that came true (kept < compared: the next one did not)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kept <= self.compared:
+            raise ValueError(f"need 0 <= kept <= compared, got {self.kept}, {self.compared}")
+
+
+@dataclass(frozen=True)
 class DraftSignal:
     """What a drafter can say about the coming step before drafting it."""
 
     match: int = 0  # the length of the n-gram prompt lookup's draft would continue (0: none)
     pooled: int = 0  # lookahead's pooled n-grams that start with the pending token
+    shadow: ShadowGuess | None = None  # prompt lookup's guess for the last step, against what it settled
     # Each candidate's own signal, by name, for drafters that take turns (speccli.drafters.candidates).
     parts: tuple[tuple[str, DraftSignal], ...] = ()
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Protocol, Sequence
 
 from speccli.autok.costs import CostCurve
-from speccli.autok.plan import DraftSignal, StepPlan
+from speccli.autok.plan import DraftSignal, ShadowGuess, StepPlan
 from speccli.events import StepEvent
 
 
@@ -389,24 +389,34 @@ class AdaptiveDraftLength(DraftLengthPolicy):
                 self._steps_without_drafting += 1
             return
         self._steps_without_drafting = 0
-        # Every position forgets, reached or not: evidence about a position that shorter
-        # drafts no longer reach fades, and its estimate leans on the position before again.
-        self._kept = [kept * self.forgetting for kept in self._kept]
-        self._tried = [tried * self.forgetting for tried in self._tried]
         if opening:
             self._opening_kept += step.accepted > 0
             self._opening_tried += 1
-        for position in range(1 if opening else 0, min(step.drafted, step.accepted + 1, self.max_k)):
-            # Reached: every earlier token was accepted.
-            kept = position < step.accepted
-            self._kept[position] += kept
-            self._tried[position] += 1
-            self._session_kept[position] += kept
-            self._session_tried[position] += 1
+        self.count(step.drafted, step.accepted, first=1 if opening else 0)
         if probing and step.accepted == 0:
             self._failed_probes += 1  # not even the first drafted token was right
         else:
             self._failed_probes = 0
+
+    def count(self, drafted: int, accepted: int, first: int = 0) -> None:
+        """A draft of `drafted` tokens whose first `accepted` came true, as evidence of the
+        acceptance by position from `first` on (a step's, or a guess the text settled: `shadow`)."""
+        # Every position forgets, reached or not: evidence about a position that shorter
+        # drafts no longer reach fades, and its estimate leans on the position before again.
+        self._kept = [kept * self.forgetting for kept in self._kept]
+        self._tried = [tried * self.forgetting for tried in self._tried]
+        for position in range(first, min(drafted, accepted + 1, self.max_k)):
+            # Reached: every earlier token was accepted.
+            kept = position < accepted
+            self._kept[position] += kept
+            self._tried[position] += 1
+            self._session_kept[position] += kept
+            self._session_tried[position] += 1
+
+    def shadow(self, guess: ShadowGuess) -> None:
+        """A guess this drafter would have drafted for a step another drafted, against the
+        tokens that step settled: its leading tokens that came true, up to those settled."""
+        self.count(guess.compared, guess.kept)
 
     def learned(self) -> AcceptancePrior | None:
         """learned_prior() and learned_opening() for the next session, None when this one
@@ -485,6 +495,11 @@ class DraftLengthByMatch(DraftLengthPolicy):
     def observe(self, step: StepEvent) -> None:
         self.costs.observe(step)
         self.learn(step)
+
+    def shadow(self, guess: ShadowGuess) -> None:
+        """A guess after a match of `guess.match` tokens, against what another drafter's step settled."""
+        if guess.match > 0:
+            self.policy(guess.match).shadow(guess)
 
     def learn(self, step: StepEvent) -> None:
         """What the step says about the acceptance after its match (`observe` less the costs)."""

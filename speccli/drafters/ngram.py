@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from speccli.autok.costs import CostCurve
-from speccli.autok.plan import DraftSignal
+from speccli.autok.plan import DraftSignal, ShadowGuess
 from speccli.autok.policy import DraftLengthPolicy, FixedDraftLength, KAutoFactory
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
@@ -26,6 +26,9 @@ OCCURRENCES_KEPT = 4
 # greedy answers to the default prompts (float32 and bfloat16 alike): far more often after
 # a longer match; on chat text, less often still after a 1-token match.
 LOOKUP_ACCEPTANCE: dict[int, tuple[float, ...]] = {1: (0.25, 0.4), 2: (0.4, 0.5), 3: (0.8, 0.9, 0.95)}
+
+# How far the guess reaches that `signal` keeps, to learn from where another drafter drafts.
+SHADOW_LENGTH = 16
 
 
 class PromptLookupDrafter(Drafter):
@@ -54,6 +57,8 @@ class PromptLookupDrafter(Drafter):
             n: {} for n in range(self.min_ngram, self.max_ngram + 1)
         }
         self._indexed_upto = 0
+        # The guess `signal` saw for the coming step: (context length then, match, guess).
+        self._guessed: tuple[int, int, list[int]] | None = None
 
     def start(self, context: Sequence[int]) -> None:
         self._reset()
@@ -68,7 +73,28 @@ class PromptLookupDrafter(Drafter):
         return FixedDraftLength(k) if isinstance(k, int) else adaptive(LOOKUP_ACCEPTANCE)
 
     def signal(self, context: Sequence[int]) -> DraftSignal:
-        return DraftSignal(match=self.match_length(context))
+        """The match for the coming step, and how the guess it would have drafted for the last
+        step fared against what that step settled (for k auto where drafters take turns)."""
+        match = self.match_length(context)
+        shadow = self._shadow_of(context)
+        guess = self._continuation(context, match, SHADOW_LENGTH) if match else []
+        self._guessed = (len(context), match, guess)
+        return DraftSignal(match=match, shadow=shadow)
+
+    def _shadow_of(self, context: Sequence[int]) -> ShadowGuess | None:
+        if self._guessed is None:
+            return None
+        start, match, guess = self._guessed
+        settled = context[start:]
+        if not guess or not settled or len(context) <= start:
+            return None
+        compared = min(len(guess), len(settled))
+        kept = next((i for i in range(compared) if guess[i] != settled[i]), compared)
+        return ShadowGuess(match, compared, kept)
+
+    def _continuation(self, context: Sequence[int], match: int, k: int) -> list[int]:
+        end = self._index[match][tuple(context[len(context) - match :])][-1]
+        return list(context[end : end + k])
 
     def _extend_index(self, context: Sequence[int]) -> None:
         # An n-gram ending at `end` has a continuation iff end < len(context).
@@ -90,10 +116,7 @@ class PromptLookupDrafter(Drafter):
         noise: Noise | None = None,
     ) -> Draft:
         match = self.match_length(context) if k > 0 else 0
-        if match == 0:
-            return Draft([])
-        end = self._index[match][tuple(context[len(context) - match :])][-1]
-        return Draft(list(context[end : end + k]))
+        return Draft(self._continuation(context, match, k) if match else [])
 
     def match_length(self, context: Sequence[int]) -> int:
         """The length of the longest n-gram ending the context that occurred earlier (0:
