@@ -45,6 +45,7 @@ class CandidateDrafter(Drafter):
         # Trees where every candidate drafts them: a chain drafted from q is verified as one.
         self.drafts_trees = all(candidate.drafts_trees for candidate in candidates)
         self._active: Drafter = candidates[0]
+        self._chooser: MethodChooser | None = None
 
     @property
     def draft_model(self) -> CausalLM | None:
@@ -71,7 +72,12 @@ class CandidateDrafter(Drafter):
             if not isinstance(policy, (AdaptiveDraftLength, DraftLengthByMatch)):
                 raise ValueError(f"the {name} drafter cannot take turns with others under k auto")
             policies[name] = policy
-        return MethodChooser(policies)
+        kept = self._chooser
+        if kept is None or list(kept.policies.values()) != list(policies.values()):
+            # Kept while the candidates' policies are: what the decoder keeps over it (the measured
+            # rates, the ways stopped) then carries from one generation to the next as well.
+            kept = self._chooser = MethodChooser(policies)
+        return kept
 
     def signal(self, context: Sequence[int]) -> DraftSignal:
         parts = tuple((name, candidate.signal(context)) for name, candidate in self.candidates.items())
