@@ -4,7 +4,8 @@
         --dtype float32 --max-new-tokens 32 "def fib(n):" "def quicksort(arr):"
     python scripts/verify_greedy.py --prompts scripts/prompts/default.jsonl   # chat prompts through the template
 
-`--tree` drafts token trees; `--draft lookahead` (or `ngram`) checks those drafters.
+`--tree` drafts token trees, `--no-tree` chains, neither as specgen's default (k auto chooses);
+`--draft lookahead` (or `ngram`, `auto`: the default's drafters taking turns) checks those drafters.
 
 Prints one line per prompt and draft length, and exits 1 on any difference, each classified
 as `specgen bench` does (speccli.bench.divergence): a near-tie (bfloat16 rounding) or a
@@ -43,11 +44,15 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--k", default="1,4,8", help="comma-separated draft lengths: whole numbers or auto")
     parser.add_argument("--tree", action="store_true", help="draft token trees (--draft lookahead always does)")
+    parser.add_argument("--no-tree", action="store_true", help="draft chains (neither flag: k auto chooses)")
     args = parser.parse_args()
     try:
         lengths = [parse_draft_length(x) for x in args.k.split(",")]
     except ValueError as error:
         parser.error(str(error))
+    if args.tree and args.no_tree:
+        parser.error("--tree and --no-tree contradict each other")
+    tree = True if args.tree else False if args.no_tree else None
     prompts = [(text[:40], Prompt.of(text)) for text in args.prompts]
     if args.prompt_file is not None:
         prompts += [(item.name, item.request()) for item in load_prompts(args.prompt_file)]
@@ -75,7 +80,7 @@ def main() -> int:
         for k in lengths:
             started = time.perf_counter()
             generation = generator.stream(
-                ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=args.max_new_tokens, tree=args.tree)
+                ids, SamplingConfig(), SpecConfig(k=k, max_new_tokens=args.max_new_tokens, tree=tree)
             ).run()
             seconds = time.perf_counter() - started
             tokens = generation.token_ids
