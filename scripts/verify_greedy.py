@@ -23,7 +23,9 @@ import torch
 
 from speccli.bench.divergence import classify, first_difference
 from speccli.bench.prompts import load_prompts
+from speccli.cli.app import tree_choice
 from speccli.config import LoadConfig, SamplingConfig, SpecConfig, parse_draft_length
+from speccli.errors import UsageError
 from speccli.models.kernels.onednn import set_cpu_linear
 from speccli.pipeline import load_pipeline
 from speccli.prompts import Prompt
@@ -50,9 +52,10 @@ def main() -> int:
         lengths = [parse_draft_length(x) for x in args.k.split(",")]
     except ValueError as error:
         parser.error(str(error))
-    if args.tree and args.no_tree:
-        parser.error("--tree and --no-tree contradict each other")
-    tree = True if args.tree else False if args.no_tree else None
+    try:
+        tree = tree_choice(args.tree, args.no_tree)
+    except UsageError as error:
+        parser.error(str(error))
     prompts = [(text[:40], Prompt.of(text)) for text in args.prompts]
     if args.prompt_file is not None:
         prompts += [(item.name, item.request()) for item in load_prompts(args.prompt_file)]

@@ -336,11 +336,7 @@ class SpeculativeDecoder:
 
     def _method(self, plan: StepPlan, drafted: int) -> str:
         """The step's method as --stats counts it: plain where nothing was drafted."""
-        if plan.k == 0 or drafted == 0 and plan.lookahead is None:
-            return "plain"
-        if plan.lookahead is not None:
-            return "lookahead"
-        return f"{plan.source or self._source.name} {plan.method}"
+        return "plain" if drafted == 0 and plan.lookahead is None else plan.way(self._source.name)
 
     def _branch_fits(self, cached: int, fed: int) -> bool:
         """Whether the lookahead branch may ride in a pass of `fed` tokens (the tree's and

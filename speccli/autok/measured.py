@@ -134,21 +134,17 @@ class MeasuredChoice(DraftLengthPolicy):
         source = plan.source or self.drafter
         if self.choose_trees and plan.lookahead is None:
             plan = replace(plan, tree=self._tree(source))
-        way = self.way(source, plan)
+        way = plan.way(self.drafter)
         if not self._open(way):
             if self.choose_trees and plan.lookahead is None:
                 other = replace(plan, tree=not plan.tree)
-                if self._open(self.way(source, other)):
-                    self._way = self.way(source, other)
+                if self._open(other.way(self.drafter)):
+                    self._way = other.way(self.drafter)
                     return other
             self._way, self._held = None, way
             return StepPlan(costs=plan.costs)
         self._way = way
         return plan
-
-    def way(self, source: str, plan: StepPlan) -> str:
-        """The way's name, as the step's event names its method."""
-        return "lookahead" if plan.lookahead is not None else f"{source} {plan.method}"
 
     def _open(self, way: str) -> bool:
         """Whether `way` may run this step: it pays, or it is due to be tried again."""

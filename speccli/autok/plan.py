@@ -69,3 +69,13 @@ class StepPlan:
         if self.lookahead is not None:
             return "lookahead"
         return "tree" if self.tree else "chain"
+
+    def way(self, drafter: str) -> str:
+        """The way of drafting a step of this plan, as --stats counts it and the measured rates
+        (speccli.autok.measured) keep it: plain, lookahead, or the drafter (`source`, else
+        `drafter`) and its form ("model chain", "ngram tree")."""
+        if self.k == 0:
+            return "plain"
+        if self.lookahead is not None:
+            return "lookahead"
+        return f"{self.source or drafter} {self.method}"

@@ -86,7 +86,7 @@ class PromptLookupDrafter(Drafter):
             return None
         start, match, guess = self._guessed
         settled = context[start:]
-        if not guess or not settled or len(context) <= start:
+        if not guess or not settled:
             return None
         compared = min(len(guess), len(settled))
         kept = next((i for i in range(compared) if guess[i] != settled[i]), compared)
