@@ -16,11 +16,13 @@ from speccli.backends.static import StaticCausalLM, static_cache_problem
 from speccli.config import LoadConfig
 from speccli.drafters.base import Drafter
 from speccli.drafters.candidates import CandidateDrafter
+from speccli.drafters.cross import CrossVocabDrafter
 from speccli.drafters.model import DEFAULT_STOP_CONFIDENCE, ModelDrafter
 from speccli.drafters.registry import DRAFTERS
 from speccli.loop import SpeculativeDecoder, features_of
-from speccli.models.errors import ModelLoadError
+from speccli.models.errors import ModelLoadError, TokenizerMismatchError
 from speccli.models.pairs.compat import check_tokenizers_compatible, shared_vocab
+from speccli.models.pairs.vocab_bridge import VocabBridge, bridge_vocabularies
 from speccli.models.pairs.drafts import AUTO as AUTO_DRAFT
 from speccli.models.pairs.drafts import choose_draft
 from speccli.models.loading import (
@@ -193,9 +195,10 @@ def load_pipeline(
                 progress(f"draft: {fallback.name} instead ({error}): {fallback.reason}")
             draft_name, key, heads = fallback.name, fallback.name.lower(), None
     pending_draft = None
+    bridge: VocabBridge | None = None
     if key not in DRAFTERS and key != NO_DRAFT and heads is None:
         pending_draft = load_tokenizer(draft_name, draft_config, progress=progress)
-        check_tokenizers_compatible(pending_target.tokenizer, pending_draft.tokenizer)
+        bridge = vocab_bridge(pending_target, pending_draft, progress)
         _check_pair_memory(pending_target, pending_draft)
 
     target = load_weights(pending_target, progress)
@@ -218,9 +221,13 @@ def load_pipeline(
         drafter = None
     else:
         draft = load_weights(pending_draft, progress)
-        drafter = model_drafter(
-            target_lm, target.tokenizer, draft, cuda_graphs=draft_config.cuda_graphs, compile=draft_config.compile
-        )
+        if bridge is not None:
+            draft_lm = causal_lm(draft, draft_config.cuda_graphs, draft_config.compile)
+            drafter = CrossVocabDrafter(draft_lm, bridge, target_lm.vocab_size, DEFAULT_STOP_CONFIDENCE)
+        else:
+            drafter = model_drafter(
+                target_lm, target.tokenizer, draft, cuda_graphs=draft_config.cuda_graphs, compile=draft_config.compile
+            )
     if auto and not also and drafter is not None and key not in DRAFTERS:
         also = list(AUTO_TAKES_TURNS)  # a draft model or heads, with prompt lookup where it promises more
         if progress is not None:
@@ -257,6 +264,25 @@ def _published_head(heads: HeadDraft, target: PendingModel, progress: Callable[[
         if warning:
             progress(f"warning: {warning}")
     return head
+
+
+def vocab_bridge(
+    target: PendingModel, draft: PendingModel, progress: Callable[[str], None] | None = None
+) -> VocabBridge | None:
+    """None where the draft shares the target's tokenizer; else the bridge between the two
+    (a draft of another family), or TokenizerMismatchError saying why none can work."""
+    try:
+        check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
+        return None
+    except TokenizerMismatchError as mismatch:
+        bridge = bridge_vocabularies(target.tokenizer, draft.tokenizer)
+        if progress is not None:
+            progress(
+                f"draft: {draft.name} has another tokenizer ({mismatch.message}): it drafts by text;"
+                f" {bridge.shared:,} of its tokens are the target's ({bridge.share_of_target():.0%} of the"
+                " target's vocabulary), which it drafts from when sampling"
+            )
+        return bridge
 
 
 def _check_pair_memory(target: PendingModel, draft: PendingModel) -> None:

@@ -170,17 +170,3 @@ def test_calibration_feeds_the_draft_only_ids_it_has():
     draft = tiny_llama(DRAFT_VOCAB, seed=4, hidden=16, layers=1)
     costs = measure_costs(wrap(target), wrap(draft), max_fed=2, repeats=1)
     assert costs.draft_seconds is not None and costs.draft_seconds > 0
-
-
-def test_a_mismatched_draft_is_refused_before_its_weights_load(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
-    target_tok, draft_tok = char_tokenizer(), char_tokenizer("zyxwvutsrqponmlkjihgfedcba")
-    target = save_model_folder(tiny_llama(len(target_tok), seed=1), target_tok, tmp_path / "target")
-    draft = save_model_folder(tiny_llama(len(draft_tok), seed=2), draft_tok, tmp_path / "draft")
-    (draft / "model.safetensors").write_bytes(b"not weights")
-    result = CliRunner().invoke(app, ["generate", "hi", "--target", str(target), "--draft", str(draft), "-q"])
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.splitlines()
-    assert lines[0] == "error: tokenizers differ at id 3: target 'a' vs draft 'z' (26 of 29 shared ids differ)"
-    assert lines[1].startswith("hint: use --draft auto, ngram, or a draft of the target's family")
-    assert "Traceback" not in result.stderr
