@@ -72,10 +72,9 @@ from speccli.drafters.heads import HeadPasses
 from speccli.drafters.lookahead import LookaheadDrafter
 from speccli.drafters.candidates import CandidateDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
-from speccli.models.pairs.compat import check_tokenizers_compatible
 from speccli.models.loading import load_model
 from speccli.models.kernels.onednn import set_cpu_linear
-from speccli.pipeline import backend_label, causal_lm, head_drafter, model_drafter
+from speccli.pipeline import backend_label, causal_lm, head_drafter, model_drafter, vocab_bridge
 from speccli.stats import speedup
 
 METHODS = (
@@ -119,7 +118,9 @@ def strip_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 class Bench:
-    def __init__(self, target, draft, spec_draft, k: int | str, cuda_graphs: str = "auto", methods=None) -> None:
+    def __init__(
+        self, target, draft, spec_draft, k: int | str, cuda_graphs: str = "auto", methods=None, bridge=None
+    ) -> None:
         self.head_drafters: dict = {}
         self.target = target
         self.draft = draft
@@ -135,7 +136,11 @@ class Bench:
         self.target_lm = target_lm
         # One generator per drafter, reused across prompts as a session would (the auto-k
         # policy keeps what it has learnt); caches are emptied before each timed run.
-        self.draft_drafter = model_drafter(target_lm, target.tokenizer, spec_draft, cuda_graphs=cuda_graphs)
+        # A draft of another tokenizer (`bridge`) drafts by text, as specgen's pipeline has it do.
+        self.bridge = bridge
+        self.draft_drafter = model_drafter(
+            target_lm, target.tokenizer, spec_draft, cuda_graphs=cuda_graphs, bridge=bridge
+        )
         self.ngram_drafter = PromptLookupDrafter()
         # Calibrated before timing, as a user's cached calibration would be.
         costs = None
@@ -213,6 +218,9 @@ class Bench:
             kwargs["assistant_model"] = self.spec_draft.model
         elif method == "hf-prompt-lookup":
             config.prompt_lookup_num_tokens = 10
+        if "assistant_model" in kwargs and self.bridge is not None:
+            # transformers' universal assisted generation: the draft's text re-tokenized.
+            kwargs.update(tokenizer=self.target.tokenizer, assistant_tokenizer=self.draft.tokenizer)
         inputs = torch.tensor([ids], device=self.model.device)
         with torch.inference_mode():
             out = self.model.generate(
@@ -330,14 +338,14 @@ def run_dtype(dtype: str, args, prompts) -> dict:
     # The draft transformers' assisted generation gets: loaded as transformers would, stock kernels.
     draft = load_model(args.draft, replace(config, cpu_linear="stock"), progress=log)
     spec_draft = load_model(args.draft, replace(config, for_draft=True), progress=log)
-    check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
+    bridge = vocab_bridge(target.tokenizer, draft.tokenizer, args.draft, log)
     load_seconds = time.perf_counter() - started
     target_description = target.describe()
     log(
         f"[{dtype}] loaded target and drafts in {load_seconds:.0f} s; target: {target_description};"
         f" specgen's draft: {spec_draft.describe()}"
     )
-    bench = Bench(target, draft, spec_draft, args.k, args.cuda_graphs, methods)
+    bench = Bench(target, draft, spec_draft, args.k, args.cuda_graphs, methods, bridge)
     encoded = [(p, encode_bench_prompt(target.tokenizer, p)) for p in prompts]
 
     # Warm-up: one short generate per method, untimed.

@@ -230,6 +230,30 @@ def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
     return _read_entry(path, identity, _learned_prior_from)
 
 
+def measured_draft_gains(
+    target_name: str, cache_dir: Path | None = None, hardware: str | None = None
+) -> dict[str, float]:
+    """For each draft model a session of `target_name` drafted with on this hardware (default:
+    this CPU), the best gain over plain decoding its ways of drafting measured (the `methods`
+    of its saved acceptance prior): what `--draft auto` weighs a draft of another tokenizer by."""
+    hardware = hardware or cpu_name()
+    gains: dict[str, float] = {}
+    root = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
+    for path in sorted((root / "calibration" / "acceptance").glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+            identity, methods = data["identity"], data.get("methods", {})
+            draft, target = identity.get("draft"), identity["target"]["name"]
+            if target != target_name or identity.get("hardware") != hardware or not isinstance(draft, dict):
+                continue
+            best = max(float(entry["gain"]) for way, entry in methods.items() if way.startswith("model "))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # damaged, of another format, or no drafting measured
+        name = str(draft["name"])
+        gains[name] = max(best, gains.get(name, 0.0))
+    return gains
+
+
 def _learned_prior_from(data: dict[str, Any]) -> AcceptancePrior | None:
     prior = _prior_from(data)
     read = [(int(match), _prior_from(entry)) for match, entry in data.get("by_match", {}).items()]

@@ -171,7 +171,12 @@ def load_pipeline(
     draft_name, also = split_candidates(draft_name)
     auto = draft_name.strip().lower() == AUTO_DRAFT
     if auto:
-        choice = choose_draft(target_name, cuda=choose_device(target_config.device).type == "cuda")
+        from speccli.calibration import measured_draft_gains
+
+        device = choose_device(target_config.device)
+        hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        measured = measured_draft_gains(target_name, hardware=hardware)
+        choice = choose_draft(target_name, cuda=device.type == "cuda", measured=measured)
         if progress is not None:
             progress(f"draft: {choice.name} (--draft auto: {choice.reason})")
         draft_name = choice.name
@@ -198,7 +203,7 @@ def load_pipeline(
     bridge: VocabBridge | None = None
     if key not in DRAFTERS and key != NO_DRAFT and heads is None:
         pending_draft = load_tokenizer(draft_name, draft_config, progress=progress)
-        bridge = vocab_bridge(pending_target, pending_draft, progress)
+        bridge = vocab_bridge(pending_target.tokenizer, pending_draft.tokenizer, pending_draft.name, progress)
         _check_pair_memory(pending_target, pending_draft)
 
     target = load_weights(pending_target, progress)
@@ -221,13 +226,14 @@ def load_pipeline(
         drafter = None
     else:
         draft = load_weights(pending_draft, progress)
-        if bridge is not None:
-            draft_lm = causal_lm(draft, draft_config.cuda_graphs, draft_config.compile)
-            drafter = CrossVocabDrafter(draft_lm, bridge, target_lm.vocab_size, DEFAULT_STOP_CONFIDENCE)
-        else:
-            drafter = model_drafter(
-                target_lm, target.tokenizer, draft, cuda_graphs=draft_config.cuda_graphs, compile=draft_config.compile
-            )
+        drafter = model_drafter(
+            target_lm,
+            target.tokenizer,
+            draft,
+            cuda_graphs=draft_config.cuda_graphs,
+            compile=draft_config.compile,
+            bridge=bridge,
+        )
     if auto and not also and drafter is not None and key not in DRAFTERS:
         also = list(AUTO_TAKES_TURNS)  # a draft model or heads, with prompt lookup where it promises more
         if progress is not None:
@@ -267,18 +273,18 @@ def _published_head(heads: HeadDraft, target: PendingModel, progress: Callable[[
 
 
 def vocab_bridge(
-    target: PendingModel, draft: PendingModel, progress: Callable[[str], None] | None = None
+    target_tokenizer: Any, draft_tokenizer: Any, draft_name: str, progress: Callable[[str], None] | None = None
 ) -> VocabBridge | None:
     """None where the draft shares the target's tokenizer; else the bridge between the two
     (a draft of another family), or TokenizerMismatchError saying why none can work."""
     try:
-        check_tokenizers_compatible(target.tokenizer, draft.tokenizer)
+        check_tokenizers_compatible(target_tokenizer, draft_tokenizer)
         return None
     except TokenizerMismatchError as mismatch:
-        bridge = bridge_vocabularies(target.tokenizer, draft.tokenizer)
+        bridge = bridge_vocabularies(target_tokenizer, draft_tokenizer)
         if progress is not None:
             progress(
-                f"draft: {draft.name} has another tokenizer ({mismatch.message}): it drafts by text;"
+                f"draft: {draft_name} has another tokenizer ({mismatch.message}): it drafts by text;"
                 f" {bridge.shared:,} of its tokens are the target's ({bridge.share_of_target():.0%} of the"
                 " target's vocabulary), which it drafts from when sampling"
             )
@@ -383,9 +389,13 @@ def model_drafter(
     stop_confidence: float = DEFAULT_STOP_CONFIDENCE,
     cuda_graphs: str = "auto",
     compile: str = "auto",
-) -> ModelDrafter:
-    """A drafter over ``draft`` for that target, proposing only ids both tokenizers know
-    (the tokenizers must have passed ``check_tokenizers_compatible``)."""
+    bridge: VocabBridge | None = None,
+) -> ModelDrafter | CrossVocabDrafter:
+    """A drafter over ``draft`` for that target: with `bridge` (a draft of another tokenizer,
+    see `vocab_bridge`), one that drafts by text; else one proposing only the ids both
+    tokenizers know (the tokenizers must have passed ``check_tokenizers_compatible``)."""
+    if bridge is not None:
+        return CrossVocabDrafter(causal_lm(draft, cuda_graphs, compile), bridge, target_lm.vocab_size, stop_confidence)
     shared = shared_vocab(target_tokenizer, draft.tokenizer)
     return ModelDrafter(
         causal_lm(draft, cuda_graphs, compile),

@@ -64,10 +64,15 @@ def test_drafts_for_lists_models_heads_and_drafters(tmp_path):
         "llama3.2-1b",
         "llama3.2-3b",
         "llama3-8b",
+        "smollm2-135m",
+        "qwen2.5-0.5b",
+        "qwen3-0.6b",
+        "vicuna-7b",
         "eagle",
         "ngram",
         "lookahead",
     ]
+    assert {o.kind for o in options if o.name in ("smollm2-135m", "vicuna-7b")} == {"model (other tokenizer)"}
     # Prompt lookup takes turns with the draft auto picks.
     assert [o.name for o in options if o.auto] == ["llama3.1-8b", "ngram"]
     assert [o.name for o in options if o.auto_cuda] == ["llama3.1-8b", "ngram"]
@@ -127,3 +132,44 @@ def test_models_lists_each_aliases_published_heads(tmp_path, monkeypatch):
     table = CliRunner().invoke(app, ["models"])
     row = next(line for line in table.stdout.splitlines() if line.startswith("│ llama3.1-8b "))
     assert row.rstrip(" │").endswith("eagle3, eagle")
+
+
+def test_a_draft_of_another_tokenizer_is_autos_only_where_none_shares_it_and_it_measured_paying():
+    # qwen2.5-0.5b is the smallest of its tokenizer: no draft shares it.
+    assert choose_draft("qwen2.5-0.5b").name == "ngram"
+    assert choose_draft("qwen2.5-0.5b", measured={"smollm2-135m": 1.05}).name == "ngram"
+    choice = choose_draft("qwen2.5-0.5b", measured={"smollm2-135m": 1.3, "qwen3-0.6b": 1.2})
+    assert choice.name == "smollm2-135m"
+    assert choice.reason == (
+        "no registered model shares qwen2.5-0.5b's tokenizer; smollm2-135m (another tokenizer, drafting by text)"
+        " measured 1.30x plain decoding's rate here"
+    )
+    assert choose_draft("qwen2.5-0.5b", measured={"llama3-8b": 2.0}).name == "ngram"  # not smaller
+    # Where a draft shares the tokenizer, it stays auto's choice whatever was measured.
+    assert choose_draft("qwen2.5-7b", measured={"smollm2-135m": 3.0}).name == "qwen2.5-0.5b"
+    options = drafts_for("qwen2.5-0.5b", measured={"smollm2-135m": 1.3}, shares={"smollm2-135m": 0.258})
+    smol = next(o for o in options if o.name == "smollm2-135m")
+    assert smol.auto and smol.kind == "model (other tokenizer)"
+    assert smol.about.endswith("drafts by text (26% of the target's tokens spelled alike; measured 1.30x plain here)")
+
+
+def _saved_prior(cache, name: str, target: str, draft, hardware: str, methods: dict) -> None:
+    folder = cache / "calibration" / "acceptance"
+    folder.mkdir(parents=True, exist_ok=True)
+    identity = {"target": {"name": target}, "draft": draft, "hardware": hardware}
+    (folder / name).write_text(json.dumps({"identity": identity, "acceptance": [0.5], "steps": 3, "methods": methods}))
+
+
+def test_measured_draft_gains_read_the_saved_priors_of_this_target_on_this_machine(tmp_path):
+    from speccli.calibration import measured_draft_gains
+
+    here = "Some CPU"
+    chain, tree = {"gain": 1.2, "steps": 9}, {"gain": 1.4, "steps": 9}
+    _saved_prior(tmp_path, "a.json", "qwen2.5-0.5b", {"name": "smollm2-135m"}, here, {"model chain": chain})
+    _saved_prior(tmp_path, "b.json", "qwen2.5-0.5b", {"name": "smollm2-135m"}, here, {"model tree": tree})
+    _saved_prior(tmp_path, "c.json", "qwen2.5-0.5b", {"name": "qwen3-0.6b"}, "Other CPU", {"model chain": tree})
+    _saved_prior(tmp_path, "d.json", "qwen2.5-7b", {"name": "qwen3-0.6b"}, here, {"model chain": tree})
+    _saved_prior(tmp_path, "e.json", "qwen2.5-0.5b", "ngram", here, {"ngram chain": tree})
+    _saved_prior(tmp_path, "f.json", "qwen2.5-0.5b", {"name": "smollm2-360m"}, here, {"ngram chain": tree})
+    (tmp_path / "calibration" / "acceptance" / "g.json").write_text("{not json")
+    assert measured_draft_gains("qwen2.5-0.5b", tmp_path, hardware=here) == {"smollm2-135m": 1.4}

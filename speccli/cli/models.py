@@ -201,14 +201,23 @@ def models(
                 raise UsageError(f"{option} is empty", hint)
         progress = stderr_progress(False)
         if drafts_for is not None:
-            from speccli.models.pairs.drafts import choose_draft, drafts_for as list_drafts
+            from speccli.calibration import measured_draft_gains
+            from speccli.models.pairs.drafts import choose_draft, drafts_for as list_drafts, other_tokenizer_drafts
+            from speccli.models.pairs.drafts import registered
+            from speccli.models.pairs.shares import vocabulary_shares
 
-            options = list_drafts(drafts_for, cache)
+            alias = registered(drafts_for)
+            others = [a.name for a in other_tokenizer_drafts(alias)] if alias is not None else []
+            measured = measured_draft_gains(drafts_for, cache)
+            options = list_drafts(drafts_for, cache, measured, vocabulary_shares(drafts_for, others, cache))
             if as_json:
                 models_table.print_drafts_json(options)
             else:
                 models_table.print_drafts_table(
-                    drafts_for, options, choose_draft(drafts_for).reason, choose_draft(drafts_for, cuda=True).reason
+                    drafts_for,
+                    options,
+                    choose_draft(drafts_for, measured=measured).reason,
+                    choose_draft(drafts_for, cuda=True, measured=measured).reason,
                 )
             return 0
         if remove_converted is not None:

@@ -12,7 +12,10 @@ A draft model must share the target's tokenizer. Models of one registry family d
    (llama3-70b -> llama3-8b, qwen2.5-7b -> qwen2.5-0.5b, the default target -> the default
    draft: the offline pair);
 2. else the smallest smaller model sharing its tokenizer (llama3.1-8b -> llama3.2-1b);
-3. else prompt lookup (`ngram`), which needs no model and never costs more than a pass.
+3. else a registered model of another tokenizer (drafting by text: speccli.drafters.cross)
+   that a session with it has measured to pay on this machine (`measured`: its drafting
+   steps' tokens per second against plain decoding, CROSS_DRAFT_PAYS or more);
+4. else prompt lookup (`ngram`), which needs no model and never costs more than a pass.
 
 A target the registry does not know (a folder, a GGUF file, another Hub id) gets `ngram`:
 which small model shares its tokenizer is not known without reading both. The tokenizers of
@@ -24,6 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from speccli.models.names.registry import ALIASES, Alias
 from speccli.models.names.shapes import SHAPES
@@ -39,6 +43,10 @@ TOKENIZER_GROUPS = {
     "qwen2.5-coder": "qwen2.5",
     "smollm2": "smollm2",
 }
+# A draft of another tokenizer is auto's choice where it measured at least this gain over
+# plain decoding on this machine: it loads a model and writes text twice a step, so it must
+# clearly beat prompt lookup's free guesses.
+CROSS_DRAFT_PAYS = 1.1
 HEAD_LAYOUTS = ("eagle3", "eagle", "medusa")  # the order --draft auto prefers them in
 LAYOUT_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1/2", "medusa": "Medusa"}
 
@@ -131,9 +139,23 @@ def draft_models_for(target: Alias) -> list[Alias]:
     return sorted(smaller, key=lambda a: (a.family != target.family, parameters(a), a.name))
 
 
-def choose_draft(target: str, cuda: bool = False) -> DraftChoice:
+def other_tokenizer_drafts(target: Alias) -> list[Alias]:
+    """Registered models smaller than `target` with another tokenizer: the smallest of each
+    tokenizer, smallest first (they draft by text)."""
+    group = TOKENIZER_GROUPS.get(target.family, target.family)
+    size = parameters(target)
+    smallest: dict[str, Alias] = {}
+    for alias in sorted(ALIASES.values(), key=lambda a: (parameters(a), a.name)):
+        other = TOKENIZER_GROUPS.get(alias.family, alias.family)
+        if other != group and parameters(alias) < size:
+            smallest.setdefault(other, alias)
+    return sorted(smallest.values(), key=lambda a: (parameters(a), a.name))
+
+
+def choose_draft(target: str, cuda: bool = False, measured: Mapping[str, float] | None = None) -> DraftChoice:
     """What `--draft auto` takes for `target` (see the module's docstring); on CUDA a
-    registered published head comes first."""
+    registered published head comes first. `measured`: drafts' measured gains over plain
+    decoding for this target on this machine (speccli.calibration.measured_draft_gains)."""
     alias = registered(target)
     if alias is None:  # and so no registered heads either
         return DraftChoice(
@@ -150,6 +172,17 @@ def choose_draft(target: str, cuda: bool = False) -> DraftChoice:
         )
     candidates = draft_models_for(alias)
     if not candidates:
+        gains = measured or {}
+        paying = [
+            (gains[a.name], a.name) for a in other_tokenizer_drafts(alias) if gains.get(a.name, 0.0) >= CROSS_DRAFT_PAYS
+        ]
+        if paying:
+            gain, name = max(paying)
+            return DraftChoice(
+                name,
+                f"no registered model shares {alias.name}'s tokenizer; {name} (another tokenizer, drafting by"
+                f" text) measured {gain:.2f}x plain decoding's rate here",
+            )
         return DraftChoice(
             PROMPT_LOOKUP, f"no registered model is smaller than {alias.name} with its tokenizer: prompt lookup"
         )
@@ -169,14 +202,23 @@ class DraftOption:
     auto_cuda: bool = False  # and on CUDA
 
 
-def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
+def drafts_for(
+    target: str,
+    cache_dir: Path | None = None,
+    measured: Mapping[str, float] | None = None,
+    shares: Mapping[str, float | None] | None = None,
+) -> list[DraftOption]:
     """Every draft that can serve `target`: published heads registered for it, registered
-    models sharing its tokenizer, heads trained here for it, and the drafters that need no
-    model; the ones auto takes on the CPU and on CUDA marked."""
+    models sharing its tokenizer, the smallest registered models of other tokenizers
+    (drafting by text; `shares`: the share of the target's vocabulary each spells alike,
+    where both tokenizers are on this machine), heads trained here for it, and the drafters
+    that need no model; the ones auto takes on the CPU and on CUDA marked (`measured`: as
+    choose_draft takes it)."""
     from speccli.models.names.offline import default_heads_path
     from speccli.models.names import offline
 
-    chosen, chosen_cuda = choose_draft(target).name, choose_draft(target, cuda=True).name
+    chosen = choose_draft(target, measured=measured).name
+    chosen_cuda = choose_draft(target, cuda=True, measured=measured).name
     options: list[DraftOption] = []
     alias = registered(target)
     for head in heads_for(target):
@@ -203,6 +245,24 @@ def drafts_for(target: str, cache_dir: Path | None = None) -> list[DraftOption]:
                     model.name,
                     "model",
                     f"{model.description}, {model.params} ({how})",
+                    model.name == chosen,
+                    model.name == chosen_cuda,
+                )
+            )
+        for model in other_tokenizer_drafts(alias):
+            share = (shares or {}).get(model.name)
+            spelled = (
+                f"{share:.0%} of the target's tokens spelled alike"
+                if share is not None
+                else "vocabulary share known once both tokenizers are on this machine"
+            )
+            gain = (measured or {}).get(model.name)
+            seen = f"; measured {gain:.2f}x plain here" if gain is not None else ""
+            options.append(
+                DraftOption(
+                    model.name,
+                    "model (other tokenizer)",
+                    f"{model.description}, {model.params}: drafts by text ({spelled}{seen})",
                     model.name == chosen,
                     model.name == chosen_cuda,
                 )
