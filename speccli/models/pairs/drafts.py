@@ -1,7 +1,8 @@
 """Which drafts fit a target, and the one `--draft auto` takes. The registry decides: no
 network, no weights.
 
-A draft model must share the target's tokenizer. Models of one registry family do; Llama 3,
+A draft model drafts best with the target's tokenizer (another drafts by text:
+speccli.drafters.cross). Models of one registry family share one; Llama 3,
 3.1 and 3.2 share one tokenizer, as Qwen2.5 and Qwen2.5-Coder do (`TOKENIZER_GROUPS`).
 `--draft auto` takes, for a target the registry knows (an alias, or its Hub id):
 
