@@ -17,12 +17,12 @@ from conftest import ON_CPU, SPECIALS, char_tokenizer, save_model_folder, tiny_l
 from speccli.cli import app
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.drafters.cross import CrossVocabDrafter
-from speccli.events import StepEvent, TokenEvent
+from speccli.events import Provenance, StepEvent
 from speccli.loop import SpeculativeDecoder
 from speccli.models.errors import TokenizerMismatchError
 from speccli.models.pairs.vocab_bridge import TokenBytes, bridge_vocabularies
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, target_greedy
-from test_decoder_sampling import ALPHABET, CONTINUATION, assert_follows, exact_continuation_distribution
+from test_decoder_sampling import ALPHABET, assert_follows, continuation_counts, exact_continuation_distribution
 
 CORPUS = [
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
@@ -279,19 +279,8 @@ def test_samples_drafted_across_tokenizers_follow_the_exact_target_distribution(
     prompt = target_tok("abcab", add_special_tokens=False)["input_ids"]
     drafter = CrossVocabDrafter(wrap(draft), bridge_vocabularies(target_tok, draft_tok), vocab)
     decoder = SpeculativeDecoder(wrap(target), target_tok, [], drafter)
-    seeds = torch.Generator().manual_seed(sampling.seed)
-    counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
-    accepted = collections.Counter()
-    for _ in range(6_000):
-        seed = int(torch.randint(0, 2**62, (1,), generator=seeds))
-        run = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
-        events = list(decoder.generate(prompt, run, SpecConfig(k=2, max_new_tokens=CONTINUATION)))
-        accepted.update(s.accepted for s in steps(events))
-        index = 0
-        for event in (e for e in events if isinstance(e, TokenEvent)):
-            index = index * vocab + event.token_id
-        counts[index] += 1
-    assert accepted[1] + accepted[2] > 500, accepted  # the draft's guesses were kept often enough to matter
+    counts, provenances = continuation_counts(decoder, prompt, sampling, 6_000, sampling.seed * 10_000, vocab)
+    assert provenances[Provenance.ACCEPTED] > 1_000, provenances  # the draft's guesses were kept often enough to matter
     assert_follows(counts, exact_continuation_distribution(target, prompt, sampling), vocab)
 
 
