@@ -31,7 +31,7 @@ CORPUS = [
     "for i in range(10):\n    print(i, 'hello world')\n",
 ]
 # Prompts that end inside a word, inside a run of multi-byte characters, and after a special.
-EDGE_PROMPTS = ["The qui", "café naï", "世界你", "🙂 emo", "hello</s>def f", "x"]
+EDGE_PROMPTS = ["The qui", "café naï", "世界你", "日本語", "🙂 emo", "hello</s>def f", "x"]
 
 
 def byte_level_tokenizer(
@@ -76,15 +76,17 @@ class TextOracle:
     logits favour the token of its own tokenizer that continues it, except at every
     `wrong_every`-th position (a rejection), and anywhere off the text."""
 
-    def __init__(self, spelling: TokenBytes, reference: bytes, vocab_size: int, wrong_every: int = 0) -> None:
+    def __init__(
+        self, spelling: TokenBytes, reference: bytes, vocab_size: int, wrong_every: int = 0, max_length=None
+    ) -> None:
         self.spelling, self.reference, self.rows = spelling, reference, vocab_size
         self.wrong_every = wrong_every
+        self.max_length = max_length
         self._cached: list[int] = []
         self.fed = 0
 
     setup_seconds = 0.0
     chains = False
-    max_length = None
     device = torch.device("cpu")
 
     @property
@@ -150,6 +152,20 @@ def test_each_spelling_of_tokens_reads_as_the_bytes_it_stands_for(byte_pair):
     assert piece.byte_ids[0xC3] == 5 and piece.byte_ids[ord("h")] is None  # "h" is a letter, not a byte token
 
     assert TokenBytes.of(char_tokenizer()).bytes_of([3, 4]) == b"ab"
+
+
+def byte_cuts(tokenizer, text: str) -> list[int]:
+    """Where `tokenizer`'s tokens of `text` end, in bytes."""
+    spelling, ends = TokenBytes.of(tokenizer), []
+    for token in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        ends.append((ends[-1] if ends else 0) + len(spelling.table[token]))
+    return ends
+
+
+def test_the_test_tokenizers_cut_characters_at_different_bytes(byte_pair):
+    target, draft = byte_pair
+    assert byte_cuts(target, "語") == [1, 2, 3] and byte_cuts(draft, "語") == [1, 3]
+    assert byte_cuts(target, "你") == [1, 2, 3] and byte_cuts(draft, "你") == [3]
 
 
 def test_bytes_cut_inside_a_character_are_written_with_byte_tokens(byte_pair):
@@ -236,6 +252,21 @@ def test_the_drafts_end_of_text_token_is_guessed_as_the_targets(byte_pair):
     assert drafter.propose(context, 4, SamplingConfig(), None).tokens == [EOS]
     # The target's special tokens in the context reach the draft as its own special tokens.
     assert drafter.draft_ids([*context, EOS])[-1] == draft_tok.convert_tokens_to_ids("</s>")
+
+
+def test_a_text_longer_than_the_draft_can_read_is_decoded_without_drafting(byte_pair):
+    target_tok, draft_tok = byte_pair
+    target = tiny_llama(len(target_tok), seed=21, logit_scale=20.0)
+    bridge = bridge_vocabularies(target_tok, draft_tok)
+    ids = target_tok("The quick brown fox", add_special_tokens=False)["input_ids"]
+    reference = bridge.target.bytes_of(ids + target_greedy(target, ids))
+    short = TextOracle(bridge.draft, reference, len(draft_tok), max_length=len(bridge.draft.encode(reference[:30])))
+    decoder = SpeculativeDecoder(wrap(target), target_tok, [EOS], CrossVocabDrafter(short, bridge, len(target_tok)))
+    events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(k=4, max_new_tokens=MAX_NEW)))
+    assert emitted(events) == target_greedy(target, ids)
+    drafted = [s.drafted for s in steps(events)]
+    assert drafted[0] > 0 and drafted[-1] == 0  # it drafts while the text fits its context, then not
+    assert len(short.cached_tokens) < short.max_length
 
 
 def test_a_random_draft_of_another_tokenizer_keeps_the_greedy_output(byte_pair):

@@ -70,7 +70,10 @@ class CrossVocabDrafter(Drafter):
     def prepare(self, context: Sequence[int], plan: StepPlan) -> None:
         """Feed the draft, in one pass, the text it has not read but its last token (timed
         apart from drafting, as a same-tokenizer draft's is)."""
-        self._read(self.draft_ids(context)[:-1])
+        ids = self.draft_ids(context)
+        limit = self.model.max_length
+        if limit is None or len(ids) < limit:  # else there is no room to draft (propose drafts nothing)
+            self._read(ids[:-1])
 
     def _read(self, ids: list[int]) -> torch.Tensor | None:
         """Bring the cache to `ids` (rolled back to what it shares with them); the last
