@@ -96,13 +96,18 @@ def _model_identity(model: LoadedModel) -> dict[str, Any]:
     return identity
 
 
+def hardware_name(device: torch.device) -> str:
+    """What the calibration store keys a machine by: the GPU's name, or the CPU's."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
 def _machine_identity(model: LoadedModel) -> dict[str, Any]:
     """The hardware, threads and library versions a model's passes were timed on."""
     import transformers
 
     device = model.device
     return {
-        "hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "hardware": hardware_name(device),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -231,12 +236,12 @@ def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
 
 
 def measured_draft_gains(
-    target_name: str, cache_dir: Path | None = None, hardware: str | None = None
+    target_name: str, cache_dir: Path | None = None, device: torch.device | None = None
 ) -> dict[str, float]:
-    """For each draft model a session of `target_name` drafted with on this hardware (default:
-    this CPU), the best gain over plain decoding its ways of drafting measured (the `methods`
+    """For each draft model a session of `target_name` drafted with on this hardware (`device`,
+    default: this CPU), the best gain over plain decoding its ways of drafting measured (the `methods`
     of its saved acceptance prior): what `--draft auto` weighs a draft of another tokenizer by."""
-    hardware = hardware or cpu_name()
+    hardware = hardware_name(device or torch.device("cpu"))
     gains: dict[str, float] = {}
     root = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
     for path in sorted((root / "calibration" / "acceptance").glob("*.json")):

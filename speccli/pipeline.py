@@ -22,7 +22,7 @@ from speccli.drafters.registry import DRAFTERS
 from speccli.loop import SpeculativeDecoder, features_of
 from speccli.models.errors import ModelLoadError, TokenizerMismatchError
 from speccli.models.pairs.compat import check_tokenizers_compatible, shared_vocab
-from speccli.models.pairs.vocab_bridge import VocabBridge, bridge_vocabularies
+from speccli.drafters.vocab_bridge import VocabBridge, bridge_vocabularies
 from speccli.models.pairs.drafts import AUTO as AUTO_DRAFT
 from speccli.models.pairs.drafts import choose_draft
 from speccli.models.loading import (
@@ -174,8 +174,7 @@ def load_pipeline(
         from speccli.calibration import measured_draft_gains
 
         device = choose_device(target_config.device)
-        hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        measured = measured_draft_gains(target_name, hardware=hardware)
+        measured = measured_draft_gains(target_name, device=device)
         choice = choose_draft(target_name, cuda=device.type == "cuda", measured=measured)
         if progress is not None:
             progress(f"draft: {choice.name} (--draft auto: {choice.reason})")
@@ -276,7 +275,7 @@ def vocab_bridge(
     target_tokenizer: Any, draft_tokenizer: Any, draft_name: str, progress: Callable[[str], None] | None = None
 ) -> VocabBridge | None:
     """None where the draft shares the target's tokenizer; else the bridge between the two
-    (a draft of another family), or TokenizerMismatchError saying why none can work."""
+    (a draft of another family), or CannotBridge saying why none can work."""
     try:
         check_tokenizers_compatible(target_tokenizer, draft_tokenizer)
         return None

@@ -199,7 +199,8 @@ def test_draft_auto_lets_prompt_lookup_take_turns_with_the_draft_it_picks(folder
     from speccli.models.pairs.drafts import DraftChoice
 
     monkeypatch.setattr(
-        "speccli.pipeline.choose_draft", lambda target, cuda=False: DraftChoice(folders["draft"], "picked")
+        "speccli.pipeline.choose_draft",
+        lambda target, cuda=False, measured=None: DraftChoice(folders["draft"], "picked"),
     )
     expected = reference_text(folders, "abcabc abcabc", 24)
     args = ["generate", "abcabc abcabc", "--target", folders["target"], "-n", "24", "--json", *ON_CPU]

@@ -19,8 +19,7 @@ from speccli.config import SamplingConfig, SpecConfig
 from speccli.drafters.cross import CrossVocabDrafter
 from speccli.events import Provenance, StepEvent
 from speccli.loop import SpeculativeDecoder
-from speccli.models.errors import TokenizerMismatchError
-from speccli.models.pairs.vocab_bridge import TokenBytes, bridge_vocabularies
+from speccli.drafters.vocab_bridge import CannotBridge, TokenBytes, bridge_vocabularies
 from test_decoder_greedy import EOS, MAX_NEW, PROMPTS, emitted, target_greedy
 from test_decoder_sampling import ALPHABET, assert_follows, continuation_counts, exact_continuation_distribution
 
@@ -198,14 +197,14 @@ def test_a_draft_that_rewrites_text_or_shares_nothing_is_refused_in_one_line():
     target = char_tokenizer()
     lowercase = char_tokenizer()
     lowercase.backend_tokenizer.normalizer = normalizers.Lowercase()
-    with pytest.raises(TokenizerMismatchError, match=r"^the draft's tokenizer rewrites text \(Lowercase\)"):
+    with pytest.raises(CannotBridge, match=r"^the draft's tokenizer rewrites text \(Lowercase\)"):
         bridge_vocabularies(target, lowercase)
     wordpiece = char_tokenizer()
     wordpiece.backend_tokenizer.decoder = decoders.WordPiece()
-    with pytest.raises(TokenizerMismatchError, match="tokens spelled for a WordPiece decoder cannot be read as bytes"):
+    with pytest.raises(CannotBridge, match="tokens spelled for a WordPiece decoder cannot be read as bytes"):
         bridge_vocabularies(wordpiece, target)
     other = merged_tokenizer("αβγδ", [], ["[UNK]", "[BOS]", "[EOS]"])
-    with pytest.raises(TokenizerMismatchError, match="^the draft's tokenizer shares no token with the target's$"):
+    with pytest.raises(CannotBridge, match="^the draft's tokenizer shares no token with the target's$"):
         bridge_vocabularies(target, other)
 
 

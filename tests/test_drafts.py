@@ -163,7 +163,9 @@ def _saved_prior(cache, name: str, target: str, draft, hardware: str, methods: d
 def test_measured_draft_gains_read_the_saved_priors_of_this_target_on_this_machine(tmp_path):
     from speccli.calibration import measured_draft_gains
 
-    here = "Some CPU"
+    from speccli.models.loading import cpu_name
+
+    here = cpu_name()
     chain, tree = {"gain": 1.2, "steps": 9}, {"gain": 1.4, "steps": 9}
     _saved_prior(tmp_path, "a.json", "qwen2.5-0.5b", {"name": "smollm2-135m"}, here, {"model chain": chain})
     _saved_prior(tmp_path, "b.json", "qwen2.5-0.5b", {"name": "smollm2-135m"}, here, {"model tree": tree})
@@ -172,4 +174,4 @@ def test_measured_draft_gains_read_the_saved_priors_of_this_target_on_this_machi
     _saved_prior(tmp_path, "e.json", "qwen2.5-0.5b", "ngram", here, {"ngram chain": tree})
     _saved_prior(tmp_path, "f.json", "qwen2.5-0.5b", {"name": "smollm2-360m"}, here, {"ngram chain": tree})
     (tmp_path / "calibration" / "acceptance" / "g.json").write_text("{not json")
-    assert measured_draft_gains("qwen2.5-0.5b", tmp_path, hardware=here) == {"smollm2-135m": 1.4}
+    assert measured_draft_gains("qwen2.5-0.5b", tmp_path) == {"smollm2-135m": 1.4}

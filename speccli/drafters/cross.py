@@ -2,7 +2,7 @@
 tokenizers").
 
 The draft reads the target's text: the settled target tokens as bytes, written with the
-draft's own tokenizer (speccli.models.pairs.vocab_bridge). Its cache is kept by text: each
+draft's own tokenizer (speccli.drafters.vocab_bridge). Its cache is kept by text: each
 step the context is written again and the cache rolled back to what it shares with it, so
 whatever a step settled (drafted, resampled, or cut inside a character) the draft reads the
 same text as the target.
@@ -29,7 +29,7 @@ from speccli.backends.base import CausalLM, common_prefix_length
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
 from speccli.drafters.base import Draft, Drafter, draw, greedy_pick
-from speccli.models.pairs.vocab_bridge import VocabBridge
+from speccli.drafters.vocab_bridge import VocabBridge
 
 
 class CrossVocabDrafter(Drafter):

@@ -25,9 +25,8 @@ def vocabulary_shares(target: str, drafts: Sequence[str], cache_dir: Path | None
     if not local or not _local(target, cache_dir):
         return {}
     from speccli.config import LoadConfig
-    from speccli.models.errors import TokenizerMismatchError
     from speccli.models.loading import load_tokenizer
-    from speccli.models.pairs.vocab_bridge import bridge_vocabularies
+    from speccli.drafters.vocab_bridge import CannotBridge, bridge_vocabularies
 
     config = LoadConfig(device="cpu")
     target_tokenizer = load_tokenizer(target, config, cache_dir=cache_dir).tokenizer
@@ -36,6 +35,6 @@ def vocabulary_shares(target: str, drafts: Sequence[str], cache_dir: Path | None
         draft_tokenizer = load_tokenizer(name, config, cache_dir=cache_dir).tokenizer
         try:
             shares[name] = bridge_vocabularies(target_tokenizer, draft_tokenizer).share_of_target()
-        except TokenizerMismatchError:
+        except CannotBridge:
             shares[name] = None
     return shares

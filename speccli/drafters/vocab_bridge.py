@@ -22,15 +22,19 @@ from typing import Any, Sequence
 
 import torch
 
-from speccli.models.errors import TokenizerMismatchError
+from speccli.errors import UsageError
 
-__all__ = ["TokenBytes", "VocabBridge", "bridge_vocabularies"]
+__all__ = ["CannotBridge", "TokenBytes", "VocabBridge", "bridge_vocabularies"]
 
 # Normalisers that keep a text's meaning (Unicode composition; SentencePiece's spaces): any
 # other (lowercasing, stripping accents) makes a draft's text another text than the target's.
 KEPT_TEXT = {"NFC", "NFKC", "Prepend", "Replace", "Sequence"}
 
 _HINT = "use --draft ngram, or a draft whose tokenizer writes text unchanged"
+
+
+class CannotBridge(UsageError):
+    """No draft across these tokenizers can work (exit code 2, with a hint)."""
 
 
 class UnreadableTokens(ValueError):
@@ -184,7 +188,7 @@ class VocabBridge:
 
 
 def bridge_vocabularies(target_tok: Any, draft_tok: Any) -> VocabBridge:
-    """The bridge between the tokenizers, or TokenizerMismatchError saying in one line why
+    """The bridge between the tokenizers, or CannotBridge saying in one line why
     none can work (tokens not readable as bytes, a draft that rewrites text, too little
     shared)."""
     sides = []
@@ -192,10 +196,10 @@ def bridge_vocabularies(target_tok: Any, draft_tok: Any) -> VocabBridge:
         try:
             sides.append(TokenBytes.of(tokenizer))
         except UnreadableTokens as error:
-            raise TokenizerMismatchError(f"the {role}'s tokenizer cannot draft across tokenizers: {error}", _HINT)
+            raise CannotBridge(f"the {role}'s tokenizer cannot draft across tokenizers: {error}", _HINT)
         rewrites = _rewriting_normalisers(tokenizer)
         if rewrites:
-            raise TokenizerMismatchError(
+            raise CannotBridge(
                 f"the {role}'s tokenizer rewrites text ({', '.join(rewrites)}): its tokens cannot be matched by text",
                 _HINT,
             )
@@ -213,7 +217,7 @@ def bridge_vocabularies(target_tok: Any, draft_tok: Any) -> VocabBridge:
             target_to_draft[match] = index
     bridge = VocabBridge(target, draft, draft_to_target, target_to_draft)
     if bridge.shared <= len(draft.special):
-        raise TokenizerMismatchError("the draft's tokenizer shares no token with the target's", _HINT)
+        raise CannotBridge("the draft's tokenizer shares no token with the target's", _HINT)
     return bridge
 
 
