@@ -18,6 +18,9 @@ prompt, so slow drift of the machine hits every method alike):
                     draft (int8 on the CPU), k auto from a calibration made before timing, early stop
                     on the draft's confidence
   specgen-ngram     specgen's SpeculativeDecoder with PromptLookupDrafter
+  specgen-suffix    suffix drafting (--draft suffix, --tree auto): the text so far and the prompts before this
+                    one with their answers (the target's own, hf-plain's; no store, nothing from warm-up
+                    or from a repeat of the same prompt)
   specgen-plain     specgen's decode loop with no drafter (k = 0): what specgen's loading alone gives,
                     so that specgen-draft / specgen-plain is the gain of speculation alone
   specgen-plain-stock  the same loop on PyTorch's stock linear kernels (as --cpu-linear stock): what
@@ -71,6 +74,7 @@ from speccli.config import LoadConfig, SamplingConfig, SpecConfig
 from speccli.drafters.heads import HeadPasses
 from speccli.drafters.lookahead import LookaheadDrafter
 from speccli.drafters.candidates import CandidateDrafter
+from speccli.drafters.suffix import SuffixDrafter, SuffixHistory
 from speccli.drafters.ngram import PromptLookupDrafter
 from speccli.models.loading import load_model
 from speccli.models.kernels.onednn import set_cpu_linear
@@ -91,6 +95,7 @@ METHODS = (
     "specgen-ngram-tree",
     "specgen-lookahead",
     "specgen-draft-ngram",
+    "specgen-suffix",
     "specgen-medusa",
     "specgen-medusa-tree",
     "specgen-eagle",
@@ -129,6 +134,7 @@ class Bench:
         self.eos = list(target.eos_token_ids)
         self.eos_set = set(self.eos)
         self.k = k
+        self.earlier_texts: list[list[int]] = []  # the prompts so far with their answers, for specgen-suffix
         pad = target.tokenizer.pad_token_id
         self.pad = pad if pad is not None else self.eos[0]
         # As specgen runs them: on CUDA over a static cache replayed as CUDA graphs (--cuda-graphs).
@@ -187,6 +193,14 @@ class Bench:
                 CandidateDrafter([self.draft_drafter, PromptLookupDrafter()]),
                 costs,
             ),
+            # Its history: the prompts and answers of its own earlier runs in this process.
+            "specgen-suffix": Speculator.over(
+                target_lm,
+                target.tokenizer,
+                self.eos,
+                SuffixDrafter(),
+                CostCurve(costs.verify_seconds, None) if costs else None,
+            ),
             "specgen-lookahead": Speculator.over(
                 target_lm,
                 target.tokenizer,
@@ -232,8 +246,8 @@ class Bench:
         generator = self.generators[method]
         plain = method in ("specgen-plain", "specgen-plain-stock")
         drafter = None if plain else generator.drafter
-        # Trees for the tree methods, chains for the others, and the default's own choice for specgen-auto.
-        tree = None if method == "specgen-auto" else method in TREE_METHODS
+        # Trees for the tree methods, chains for the others, and k auto's own choice for specgen-auto and -suffix.
+        tree = None if method in ("specgen-auto", "specgen-suffix") else method in TREE_METHODS
         spec = SpecConfig(k=self.k, max_new_tokens=max_new, tree=tree)
         # The target's passes and the drafter's own: a draft model's backend, or the heads' (HeadPasses).
         draft_model = drafter.draft_model if drafter is not None else None
@@ -241,6 +255,10 @@ class Bench:
         models += [drafter] if isinstance(drafter, HeadPasses) else []
         forward_before = sum(m.forward_seconds for m in models)
         started = time.perf_counter()
+        if isinstance(drafter, SuffixDrafter):
+            drafter.history = SuffixHistory()
+            for text in self.earlier_texts:
+                drafter.history.add(text)
         with torch.inference_mode():
             generation = generator.stream(ids, SamplingConfig(), spec, plain=plain, cold=True).run()
         wall = time.perf_counter() - started
@@ -376,6 +394,7 @@ def run_dtype(dtype: str, args, prompts) -> dict:
                 )
         results = {method: fastest_run(runs[method]) for method in methods}
         reference = results["hf-plain"]["tokens"]
+        bench.earlier_texts.append([*ids, *reference])  # what suffix drafting has seen at the next prompt
         divergences = []
         for method in methods[1:]:
             position = first_difference(reference, results[method]["tokens"])
@@ -439,6 +458,10 @@ def run_dtype(dtype: str, args, prompts) -> dict:
         ("specgen-tree", "specgen-plain"),
         ("specgen-ngram-tree", "specgen-ngram"),
         ("specgen-ngram-tree", "specgen-plain"),
+        ("specgen-suffix", "specgen-ngram"),
+        ("specgen-suffix", "specgen-ngram-tree"),
+        ("specgen-suffix", "specgen-draft"),
+        ("specgen-suffix", "specgen-plain"),
     ]
     pairs += [("specgen-auto", b) for b in FIXED_CHOICES]
     pairs += [(a, b) for a in HEAD_METHODS for b in ("specgen-plain", "specgen-draft")]

@@ -19,7 +19,7 @@ from speccli.autok.costs import CostCurve
 from speccli.backends.base import CausalLM
 from speccli.config import AUTO_K, SamplingConfig, SpecConfig
 from speccli.context import check_fits
-from speccli.drafters.base import Drafter
+from speccli.drafters.base import Drafter, LearnsText
 from speccli.events import Event, EventStream, TokenEvent
 from speccli.loop import SpeculativeDecoder
 from speccli.prompts import Prompt, encode_prompt
@@ -58,7 +58,9 @@ class Generation:
     accumulate here as they stream, so an iteration cut short (Ctrl-C, close()) still
     leaves what was emitted, with `finish_reason` "interrupted"."""
 
-    def __init__(self, prompt_ids: list[int], events: EventStream, on_end: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self, prompt_ids: list[int], events: EventStream, on_end: Callable[[Generation], object] | None = None
+    ) -> None:
         self.prompt_ids = prompt_ids
         self._events = events
         self._on_end = on_end
@@ -77,7 +79,7 @@ class Generation:
     def _ended(self) -> None:
         on_end, self._on_end = self._on_end, None
         if on_end is not None:
-            on_end()
+            on_end(self)
 
     def run(self) -> Generation:
         """Generate to the end without streaming."""
@@ -199,13 +201,16 @@ class Speculator:
         plain: bool = False,
         stop_at_eos: bool = True,
         cold: bool = False,
+        learn: bool = True,
     ) -> Generation:
         """A generation from `prompt`: speculative, or (`plain`) the target alone.
 
         stop_at_eos=False decodes past end-of-sequence tokens (a timing run). cold=True
         empties the target's cache and the drafter's state first, so nothing of an earlier
-        generation is reused. The prompt is encoded and checked, and the costs calibrated,
-        before this returns; generating starts when the Generation is iterated.
+        generation is reused. learn=False keeps the prompt and answer from a drafter that
+        learns from texts (suffix drafting: a warm-up, or a run timed against others). The
+        prompt is encoded and checked, and the costs calibrated, before this returns;
+        generating starts when the Generation is iterated.
         """
         if not stop_at_eos and not plain:
             raise ValueError("only plain decoding can run past end-of-sequence tokens")
@@ -221,12 +226,14 @@ class Speculator:
             self.target.rollback(0)
             if decoder.drafter is not None:
                 decoder.drafter.rollback(0)
-        on_end = None
-        remember = self._remember
-        if adaptive and remember is not None:
-            max_k = spec.max_k
+        remember = self._remember if adaptive else None
+        learner = decoder.drafter if learn and isinstance(decoder.drafter, LearnsText) else None
+        max_k = spec.max_k
 
-            def on_end() -> None:
+        def on_end(generation: Generation) -> None:
+            if learner is not None:  # suffix drafting: the prompt and answer join its history
+                learner.learn_text([*generation.prompt_ids, *generation.token_ids])
+            if remember is not None:
                 notice = remember(decoder, max_k)
                 if notice is not None:
                     self.notices.append(notice)

@@ -452,7 +452,7 @@ class ChatSession:
         k = self.settings.spec.k if self.has_drafter else 0
         if not isinstance(k, int):
             k = 4  # the adaptive policy's first step drafts this many
-        self.generator.stream(ids, greedy, SpecConfig(k=k, max_new_tokens=k + 1)).run()
+        self.generator.stream(ids, greedy, SpecConfig(k=k, max_new_tokens=k + 1), learn=False).run()
         if self.has_drafter:
             self.generator.stream(ids, greedy, SpecConfig(k=0, max_new_tokens=2), plain=True, stop_at_eos=False).run()
 

@@ -129,7 +129,7 @@ class Pipeline:
 
 
 # What may follow '+' in --draft: lookahead is prompt lookup's steps with a window of its own.
-TAKE_TURNS = ("ngram",)
+TAKE_TURNS = ("ngram", "suffix")
 # What takes turns with the draft model or heads that --draft auto picks.
 AUTO_TAKES_TURNS = ("ngram",)
 
@@ -214,7 +214,7 @@ def load_pipeline(
     draft: LoadedModel | None = None
     drafter: Drafter | None
     if key in DRAFTERS:
-        drafter = DRAFTERS[key]()
+        drafter = named_drafter(key, target, target_config)
     elif published is not None:
         from speccli.models.pairs.published_drafter import published_drafter
 
@@ -233,14 +233,18 @@ def load_pipeline(
             compile=draft_config.compile,
             bridge=bridge,
         )
+    stored = True  # suffix drafting's history in the cache's store, as named
     if auto and not also and drafter is not None and key not in DRAFTERS:
-        also = list(AUTO_TAKES_TURNS)  # a draft model or heads, with prompt lookup where it promises more
+        also, stored = (
+            list(AUTO_TAKES_TURNS),
+            False,
+        )  # a draft model or heads, with suffix drafting where it promises more
         if progress is not None:
             progress(f"draft: {draft_name} and {', '.join(also)}, each step the one k auto expects more of")
     if also:
         if drafter is None:
             raise ModelLoadError("--draft none cannot take turns with other drafters", hint="give a draft before '+'")
-        drafter = CandidateDrafter([drafter, *(DRAFTERS[name]() for name in also)])
+        drafter = CandidateDrafter([drafter, *(named_drafter(name, target, target_config, stored) for name in also)])
     decoder = SpeculativeDecoder(target_lm, target.tokenizer, target.eos_token_ids, drafter)
     return Pipeline(target, draft, drafter.name if drafter else NO_DRAFT, decoder)
 
@@ -269,6 +273,22 @@ def _published_head(heads: HeadDraft, target: PendingModel, progress: Callable[[
         if warning:
             progress(f"warning: {warning}")
     return head
+
+
+def named_drafter(name: str, target: LoadedModel, config: LoadConfig, stored: bool = True) -> Drafter:
+    """The drafter `--draft NAME` names that needs no model of its own; suffix drafting's
+    history kept in specgen's cache for the target where `stored`, unless the cache is off
+    (--no-cache)."""
+    if name != "suffix":
+        return DRAFTERS[name]()
+    from speccli.drafters.suffix import SuffixDrafter, SuffixHistory
+    from speccli.models.formats import converted
+    from speccli.models.names import offline
+
+    if not stored or not config.keep_converted or converted.disabled_by_environment():
+        return SuffixDrafter()
+    store = offline.default_cache_dir() / "suffix" / f"{offline.slug(target.name)}.json"
+    return SuffixDrafter(SuffixHistory(store=store, identity=f"{target.name} {len(target.tokenizer)}"))
 
 
 def vocab_bridge(

@@ -179,10 +179,12 @@ def test_speculative_samples_follow_the_exact_target_distribution(
     assert chi_square_pvalue_lenient(counts, draft_exact) < 1e-6
 
 
-def continuation_counts(decoder, prompt, sampling: SamplingConfig, draws: int, first_seed: int, vocab: int):
+def continuation_counts(
+    decoder, prompt, sampling: SamplingConfig, draws: int, first_seed: int, vocab: int, spec: SpecConfig | None = None
+):
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
     provenances = collections.Counter()
-    spec = SpecConfig(k=2, max_new_tokens=CONTINUATION)
+    spec = spec or SpecConfig(k=2, max_new_tokens=CONTINUATION)
     for seed in range(first_seed, first_seed + draws):
         run = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
         tokens = [e for e in decoder.generate(prompt, run, spec) if isinstance(e, TokenEvent)]

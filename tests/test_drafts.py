@@ -70,6 +70,7 @@ def test_drafts_for_lists_models_heads_and_drafters(tmp_path):
         "vicuna-7b",
         "eagle",
         "ngram",
+        "suffix",
         "lookahead",
     ]
     assert {o.kind for o in options if o.name in ("smollm2-135m", "vicuna-7b")} == {"model (other tokenizer)"}

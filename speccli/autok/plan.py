@@ -4,6 +4,7 @@ the drafter for its signal, the policy turns it into a plan, the decoder carries
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from speccli.autok.costs import CostCurve
 
@@ -20,6 +21,16 @@ class ShadowGuess:
     def __post_init__(self) -> None:
         if not 0 <= self.kept <= self.compared:
             raise ValueError(f"need 0 <= kept <= compared, got {self.kept}, {self.compared}")
+
+    @classmethod
+    def against(cls, match: int, guess: Sequence[int], settled: Sequence[int]) -> ShadowGuess | None:
+        """The guess made after a `match`-token match, compared with the tokens the step
+        settled after it (None where either is empty)."""
+        if not guess or not settled:
+            return None
+        compared = min(len(guess), len(settled))
+        kept = next((i for i in range(compared) if guess[i] != settled[i]), compared)
+        return cls(match, compared, kept)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from speccli.bench.prompts import BenchInputError, BenchPrompt, encode_bench_pro
 from speccli.bench.results import BenchResults, BenchRow, BenchSettings, RunResult
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.context import ContextOverflowError
-from speccli.drafters.base import Drafter
+from speccli.drafters.base import Drafter, LearnsText
 from speccli.models.kernels.cpu import cpu_name
 
 WARMUP_TOKENS = 8
@@ -141,7 +141,16 @@ class BenchRunner:
             row = self.run_row(prompt, ids, k, repeat, plain_first=index % 2 == 0)
             self.rows.append(row)
             self.progress(BenchProgress("done", index, len(plan), prompt.name, k, repeat, row))
+            if index + 1 == len(plan) or plan[index + 1][0] is not prompt:
+                self._learn(ids, row)
         return self.results()
+
+    def _learn(self, prompt_ids: Sequence[int], row: BenchRow) -> None:
+        """A prompt's runs are over: a drafter that learns from texts (suffix drafting) is
+        handed it with the plain answer once, so that no run of it drafted from another's."""
+        drafter = self.generator.drafter  # the one its speculative runs drafted with
+        if isinstance(drafter, LearnsText) and row.plain is not None:
+            drafter.learn_text([*prompt_ids, *row.plain.token_ids])
 
     def run_row(
         self, prompt: BenchPrompt, prompt_ids: Sequence[int], k: int | str, repeat: int, plain_first: bool = True
@@ -197,7 +206,7 @@ class BenchRunner:
     def _run_one(self, plain: bool, prompt_ids: Sequence[int], sampling: SamplingConfig, spec: SpecConfig) -> RunResult:
         if not plain:
             self.generator.use_drafter(self.make_drafter())
-        generation = self.generator.stream(prompt_ids, sampling, spec, plain=plain, cold=True).run()
+        generation = self.generator.stream(prompt_ids, sampling, spec, plain=plain, cold=True, learn=False).run()
         return RunResult(generation.stats, generation.token_ids)
 
     def _warm_up(self, prompt_ids: Sequence[int]) -> None:

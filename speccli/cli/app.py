@@ -165,14 +165,17 @@ def run_guarded(body: Callable[[], int]) -> None:
 TARGET_HELP = "Target model: an alias (see `specgen models`), a Hugging Face hub id, a local folder, or a .gguf file."
 DRAFT_HELP = (
     "auto: on CUDA the target's registered published head (EAGLE-3 first), else the smallest registered model "
-    "sharing the target's tokenizer (its family first; the default target gets the offline draft), else prompt "
-    "lookup, said on stderr (`specgen models --drafts-for TARGET` lists the choices); a draft model or head takes "
-    "turns with prompt lookup, each step the one k auto expects more of. Or a draft model (same forms "
-    "as --target), `ngram` for prompt lookup or `lookahead` for lookahead decoding (no draft model: guesses from "
-    "the text and from the target itself), `eagle3:HUB_ID|FOLDER` for a published EAGLE-3 head (`eagle3` alone: the "
+    "sharing the target's tokenizer (its family first; the default target gets the offline draft), else one of "
+    "another tokenizer measured paying here, else prompt lookup, said on stderr (`specgen models --drafts-for "
+    "TARGET` lists the choices); a draft model or head takes turns with prompt lookup, each step the one k auto "
+    "expects more of. Or a draft model (same forms as --target; one of another tokenizer drafts by text), `ngram` "
+    "for prompt lookup, `suffix` for suffix drafting (from the text and earlier prompts and answers) or "
+    "`lookahead` for lookahead decoding (no draft model: guesses from the text and from the target itself), "
+    "`eagle3:HUB_ID|FOLDER` for a published EAGLE-3 head (`eagle3` alone: the "
     "one registered for the target), `eagle:HUB_ID|FOLDER` or `medusa:HUB_ID|FOLDER` for published EAGLE-1/2 or "
     "Medusa heads, `medusa[:FILE]` or `eagle[:FILE]` for heads trained here (`specgen train`; found in the cache "
-    "without FILE), or `none` for plain target decoding. `A+ngram`: the draft A and prompt lookup taking turns."
+    "without FILE), or `none` for plain target decoding. `A+ngram`, `A+suffix`: the draft A and prompt lookup or "
+    "suffix drafting taking turns."
 )
 
 
@@ -282,7 +285,8 @@ NoCacheOpt = Annotated[
         "--no-cache",
         help=(
             "Neither read nor keep converted weights in specgen's cache (also SPECGEN_NO_CACHE=1): a GGUF is "
-            "dequantized again on every start. See `specgen models --converted`."
+            "dequantized again on every start. See `specgen models --converted`. Suffix drafting's history of "
+            "earlier texts is not kept either."
         ),
     ),
 ]

@@ -8,7 +8,7 @@ the verification rule treats as a one-hot q).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -69,6 +69,14 @@ class FeatureReader(Protocol):
     def observe_features(self, start: int, features: torch.Tensor) -> None:
         """features [n, hidden]: the target's, at positions start .. start + n - 1, all settled."""
         ...
+
+
+@runtime_checkable
+class LearnsText(Protocol):
+    """A drafter that learns from whole texts (suffix drafting): after each generation, the
+    Speculator hands it the prompt and the answer."""
+
+    def learn_text(self, tokens: Sequence[int]) -> None: ...
 
 
 class Drafter:

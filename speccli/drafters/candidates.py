@@ -22,13 +22,14 @@ from speccli.autok.policy import (
 from speccli.backends.base import CausalLM
 from speccli.config import SamplingConfig
 from speccli.coupling import Noise
-from speccli.drafters.base import Draft, Drafter, FeatureReader, Settled, TreeDraft
+from speccli.drafters.base import Draft, Drafter, FeatureReader, LearnsText, Settled, TreeDraft
 from speccli.tree import TreeShape
 
 # A fixed k drafts with prompt lookup (a cheap candidate) where its match is at least this
 # long (its drafts come true most often there: speccli.drafters.ngram.LOOKUP_ACCEPTANCE), and
 # with the first candidate elsewhere.
 LONG_MATCH = 3
+CHEAP = ("suffix", "ngram")  # the candidates that draft from a match, at no model pass
 
 
 class CandidateDrafter(Drafter):
@@ -120,10 +121,16 @@ class CandidateDrafter(Drafter):
         for candidate in self.candidates.values():
             candidate.rollback(length)
 
+    def learn_text(self, tokens: Sequence[int]) -> None:
+        """A generation's prompt and answer, for the candidates that learn from texts."""
+        for candidate in self.candidates.values():
+            if isinstance(candidate, LearnsText):
+                candidate.learn_text(tokens)
+
 
 class LongMatchFirst(FixedDraftLength):
-    """A fixed k over candidates: prompt lookup (`ngram`) where its match is LONG_MATCH tokens
-    or more, else the first candidate."""
+    """A fixed k over candidates: suffix drafting or prompt lookup (`ngram`) where its match is
+    LONG_MATCH tokens or more, else the first candidate."""
 
     def __init__(self, names: Sequence[str], k: int) -> None:
         super().__init__(k)
@@ -132,8 +139,10 @@ class LongMatchFirst(FixedDraftLength):
     def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
         k = self.draft_length(signal, room)
         source = self.names[0]
-        if "ngram" in self.names and signal.part("ngram").match >= LONG_MATCH:
-            source = "ngram"
+        for cheap in CHEAP:
+            if cheap in self.names and signal.part(cheap).match >= LONG_MATCH:
+                source = cheap
+                break
         return StepPlan(k, tree=trees and k > 0, source=source if k > 0 else None)
 
 

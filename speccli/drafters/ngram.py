@@ -85,12 +85,7 @@ class PromptLookupDrafter(Drafter):
         if self._guessed is None:
             return None
         start, match, guess = self._guessed
-        settled = context[start:]
-        if not guess or not settled:
-            return None
-        compared = min(len(guess), len(settled))
-        kept = next((i for i in range(compared) if guess[i] != settled[i]), compared)
-        return ShadowGuess(match, compared, kept)
+        return ShadowGuess.against(match, guess, context[start:])
 
     def _continuation(self, context: Sequence[int], match: int, k: int) -> list[int]:
         end = self._index[match][tuple(context[len(context) - match :])][-1]

@@ -11,8 +11,11 @@ from typing import Callable
 from speccli.drafters.base import Drafter
 from speccli.drafters.lookahead import LookaheadDrafter
 from speccli.drafters.ngram import PromptLookupDrafter
+from speccli.drafters.suffix import SuffixDrafter
 
 DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "ngram": PromptLookupDrafter,
     "lookahead": LookaheadDrafter,
+    # Its history lives as long as the drafter (the pipeline gives it the store in the cache).
+    "suffix": SuffixDrafter,
 }

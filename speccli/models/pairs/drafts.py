@@ -283,5 +283,12 @@ def drafts_for(
             True,
         )
     )
+    options.append(
+        DraftOption(
+            "suffix",
+            "drafter",
+            "suffix drafting: continuations of the text so far and of earlier prompts and answers (kept in the cache)",
+        )
+    )
     options.append(DraftOption("lookahead", "drafter", "lookahead decoding: n-grams the target's own passes propose"))
     return options
