@@ -11,9 +11,9 @@ prompt, so slow drift of the machine hits every method alike):
   hf-assisted       target.generate(..., assistant_model=draft), the draft as loaded for the target
   hf-assisted-int8  the same with specgen's draft (int8 on the CPU): what the cheaper draft alone gives
   hf-prompt-lookup  target.generate(..., prompt_lookup_num_tokens=10)
-  specgen-auto      specgen with its defaults (--draft auto, --tree auto, k auto): the draft and prompt
-                    lookup taking turns, chains or trees as each has measured faster, plain where
-                    drafting has not paid
+  specgen-auto      specgen with its defaults (--draft auto, --tree auto, k auto): the draft and suffix
+                    drafting taking turns (no history: as a one-shot generate), chains or trees as each
+                    has measured faster, plain where drafting has not paid
   specgen-draft     the draft alone drafting chains (--no-tree): the draft loaded as specgen loads a
                     draft (int8 on the CPU), k auto from a calibration made before timing, early stop
                     on the draft's confidence
@@ -190,7 +190,7 @@ class Bench:
                 target_lm,
                 target.tokenizer,
                 self.eos,
-                CandidateDrafter([self.draft_drafter, PromptLookupDrafter()]),
+                CandidateDrafter([self.draft_drafter, SuffixDrafter()]),
                 costs,
             ),
             # Its history: the prompts and answers of its own earlier runs in this process.
@@ -260,7 +260,8 @@ class Bench:
             for text in self.earlier_texts:
                 drafter.history.add(text)
         with torch.inference_mode():
-            generation = generator.stream(ids, SamplingConfig(), spec, plain=plain, cold=True).run()
+            # No run learns from another: suffix drafting's history is set above, or none.
+            generation = generator.stream(ids, SamplingConfig(), spec, plain=plain, cold=True, learn=False).run()
         wall = time.perf_counter() - started
         forward = sum(m.forward_seconds for m in models) - forward_before
         stats = generation.stats

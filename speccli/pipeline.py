@@ -130,8 +130,9 @@ class Pipeline:
 
 # What may follow '+' in --draft: lookahead is prompt lookup's steps with a window of its own.
 TAKE_TURNS = ("ngram", "suffix")
-# What takes turns with the draft model or heads that --draft auto picks.
-AUTO_TAKES_TURNS = ("ngram",)
+# What takes turns with the draft model or heads that --draft auto picks: suffix drafting, its
+# history kept in memory only (a chat's turns, a server's requests), not in the cache's store.
+AUTO_TAKES_TURNS = ("suffix",)
 
 
 def split_candidates(draft_name: str) -> tuple[str, list[str]]:

@@ -195,8 +195,12 @@ def test_a_drafter_without_a_model_cannot_lead_others(folders, draft):
     assert "Traceback" not in result.stderr
 
 
-def test_draft_auto_lets_prompt_lookup_take_turns_with_the_draft_it_picks(folders, monkeypatch):
+def test_draft_auto_lets_suffix_drafting_take_turns_with_the_draft_it_picks_and_keeps_no_store(
+    folders, monkeypatch, tmp_path
+):
     from speccli.models.pairs.drafts import DraftChoice
+
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
 
     monkeypatch.setattr(
         "speccli.pipeline.choose_draft",
@@ -208,8 +212,9 @@ def test_draft_auto_lets_prompt_lookup_take_turns_with_the_draft_it_picks(folder
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["text"] == expected
-    assert payload["settings"]["drafter"] == "model+ngram" and payload["settings"]["tree"] == "auto"
-    assert f"draft: {folders['draft']} and ngram, each step the one k auto expects more of" in result.stderr
+    assert payload["settings"]["drafter"] == "model+suffix" and payload["settings"]["tree"] == "auto"
+    assert f"draft: {folders['draft']} and suffix, each step the one k auto expects more of" in result.stderr
+    assert not (tmp_path / "cache" / "suffix").exists()  # the history of a one-shot run is not kept
     named = invoke([*args, "--draft", folders["draft"], "--dtype", "float32"])  # a draft given by hand drafts alone
     assert named.exit_code == 0 and json.loads(named.stdout)["settings"]["drafter"] == "model"
 

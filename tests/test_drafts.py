@@ -74,9 +74,9 @@ def test_drafts_for_lists_models_heads_and_drafters(tmp_path):
         "lookahead",
     ]
     assert {o.kind for o in options if o.name in ("smollm2-135m", "vicuna-7b")} == {"model (other tokenizer)"}
-    # Prompt lookup takes turns with the draft auto picks.
-    assert [o.name for o in options if o.auto] == ["llama3.1-8b", "ngram"]
-    assert [o.name for o in options if o.auto_cuda] == ["llama3.1-8b", "ngram"]
+    # Suffix drafting takes turns with the draft auto picks.
+    assert [o.name for o in options if o.auto] == ["llama3.1-8b", "suffix"]
+    assert [o.name for o in options if o.auto_cuda] == ["llama3.1-8b", "suffix"]
 
 
 def test_drafts_for_lists_the_published_heads_first():
@@ -90,8 +90,8 @@ def test_drafts_for_lists_the_published_heads_first():
     ]
     assert options[: len(heads)] == heads
     assert "about 1/32 of the target's; published acceptance about 6 at temperature 0" in heads[0].about
-    assert [o.name for o in options if o.auto_cuda] == [heads[0].name, "ngram"]
-    assert [o.name for o in options if o.auto] == ["llama3.2-1b", "ngram"]
+    assert [o.name for o in options if o.auto_cuda] == [heads[0].name, "suffix"]
+    assert [o.name for o in options if o.auto] == ["llama3.2-1b", "suffix"]
 
 
 def test_models_drafts_for_in_json_and_as_a_table(tmp_path, monkeypatch):

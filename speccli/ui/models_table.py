@@ -15,9 +15,9 @@ from speccli.models.names.registry import DEFAULT_DRAFT, DEFAULT_TARGET, ModelLi
 FOOTER = (
     "Weights: on a GPU, from the model's config where it is on this machine (else `specgen plan --target ALIAS`). "
     "Also accepted: a Hugging Face hub id (owner/name), a local model folder, a .gguf file,"
-    " and for --draft: `ngram` (prompt lookup), `lookahead` (lookahead decoding), `medusa` or `eagle`"
-    " (heads trained with `specgen train`; see `specgen heads`), `eagle3:`/`eagle:`/`medusa:` with a Hub id or"
-    " folder (published heads; `specgen models --drafts-for TARGET` lists those registered) or `none`."
+    " and for --draft: `ngram` (prompt lookup), `suffix` (suffix drafting), `lookahead` (lookahead decoding),"
+    " `medusa` or `eagle` (heads trained with `specgen train`; see `specgen heads`), `eagle3:`/`eagle:`/`medusa:` with"
+    " a Hub id or folder (published heads; `specgen models --drafts-for TARGET` lists those registered) or `none`."
 )
 
 

@@ -277,17 +277,19 @@ def drafts_for(
         DraftOption(
             PROMPT_LOOKUP,
             "drafter",
-            "prompt lookup: continuations copied from the text so far (under auto beside a model or head, taking"
-            " turns with it)",
-            True,
-            True,
+            "prompt lookup: continuations copied from the text so far",
+            chosen == PROMPT_LOOKUP,
+            chosen_cuda == PROMPT_LOOKUP,
         )
     )
     options.append(
         DraftOption(
             "suffix",
             "drafter",
-            "suffix drafting: continuations of the text so far and of earlier prompts and answers (kept in the cache)",
+            "suffix drafting: continuations of the text so far and of earlier prompts and answers (kept in the cache;"
+            " under auto beside a model or head, taking turns with it, kept in memory)",
+            chosen != PROMPT_LOOKUP,
+            chosen_cuda != PROMPT_LOOKUP,
         )
     )
     options.append(DraftOption("lookahead", "drafter", "lookahead decoding: n-grams the target's own passes propose"))
