@@ -19,6 +19,7 @@ from speccli.drafters.candidates import CandidateDrafter
 from speccli.drafters.cross import CrossVocabDrafter
 from speccli.drafters.model import DEFAULT_STOP_CONFIDENCE, ModelDrafter
 from speccli.drafters.registry import DRAFTERS
+from speccli.drafters.suffix import HISTORY_TOKENS, SuffixHistory
 from speccli.loop import SpeculativeDecoder, features_of
 from speccli.models.errors import ModelLoadError, TokenizerMismatchError
 from speccli.models.pairs.compat import check_tokenizers_compatible, shared_vocab
@@ -35,6 +36,7 @@ from speccli.models.loading import (
     model_config,
 )
 from speccli.models.memory.plan import check_pair_fits
+from speccli.models.names import offline
 
 if TYPE_CHECKING:  # pragma: no cover
     from speccli.api import Speculator
@@ -282,14 +284,35 @@ def named_drafter(name: str, target: LoadedModel, config: LoadConfig, stored: bo
     (--no-cache)."""
     if name != "suffix":
         return DRAFTERS[name]()
-    from speccli.drafters.suffix import SuffixDrafter, SuffixHistory
+    from speccli.drafters.suffix import SuffixDrafter
     from speccli.models.formats import converted
-    from speccli.models.names import offline
 
     if not stored or not config.keep_converted or converted.disabled_by_environment():
         return SuffixDrafter()
     store = offline.default_cache_dir() / "suffix" / f"{offline.slug(target.name)}.json"
-    return SuffixDrafter(SuffixHistory(store=store, identity=f"{target.name} {len(target.tokenizer)}"))
+    return SuffixDrafter(stored_suffix_history(store, f"{target.name} {len(target.tokenizer)}"))
+
+
+SUFFIX_STORE_FORMAT = 1
+
+
+def stored_suffix_history(store: Path, identity: str, max_tokens: int = HISTORY_TOKENS) -> SuffixHistory:
+    """Suffix drafting's history read from `store` (its texts only where the store was written
+    for the same `identity`: the target and its tokenizer) and written back after each text,
+    whole or not at all; a missing, damaged or read-only store only costs what it would save."""
+    data = offline.read_json_object(store)
+    texts: list[list[int]] = []
+    if data.get("format") == SUFFIX_STORE_FORMAT and data.get("identity") == identity:
+        try:
+            texts = [[int(t) for t in text] for text in data["texts"]]
+        except (KeyError, TypeError, ValueError):
+            texts = []
+
+    def save(history: SuffixHistory) -> None:
+        payload = {"format": SUFFIX_STORE_FORMAT, "identity": identity, "texts": history.texts}
+        offline.write_json(store, payload, indent=None)
+
+    return SuffixHistory(max_tokens, texts, on_add=save)
 
 
 def vocab_bridge(
@@ -375,8 +398,6 @@ def keep_compiled_kernels() -> None:
     torch sets its /tmp default there itself the first time anything asks for it."""
     import os
 
-    from speccli.models.names import offline
-
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -441,7 +462,6 @@ def head_drafter(
     from speccli.drafters.medusa_heads import MedusaHeads
     from speccli.heads.store import HeadsMismatch, load_heads
     from speccli.models.names.offline import default_heads_path
-    from speccli.models.names import offline
 
     if path is None:
         path = default_heads_path(offline.default_cache_dir(), target.name, kind)

@@ -93,18 +93,20 @@ def test_match_lengths_count_in_buckets():
 
 
 def test_the_history_keeps_the_latest_texts_within_its_cap_and_in_its_store(tmp_path):
+    from speccli.pipeline import stored_suffix_history
+
     store = tmp_path / "suffix" / "target.json"
-    history = SuffixHistory(max_tokens=10, store=store, identity="t 16")
+    history = stored_suffix_history(store, "t 16", max_tokens=10)
     history.add([1, 2, 3, 4])
     history.add([5, 6, 7, 8])
     history.add([9, 10, 11])  # 11 tokens: the oldest text goes
     assert history.texts == [[5, 6, 7, 8], [9, 10, 11]]
     assert history.index.matches([6, 7]) == [(2, 3)]
-    again = SuffixHistory(max_tokens=10, store=store, identity="t 16")
+    again = stored_suffix_history(store, "t 16", max_tokens=10)
     assert again.texts == history.texts and again.index.matches([6, 7]) == [(2, 3)]
-    assert SuffixHistory(store=store, identity="another tokenizer").texts == []
+    assert stored_suffix_history(store, "another tokenizer").texts == []
     store.write_text("{damaged")
-    assert SuffixHistory(store=store, identity="t 16").texts == []
+    assert stored_suffix_history(store, "t 16").texts == []
 
 
 def test_an_index_cut_back_finds_what_a_fresh_index_of_the_same_tokens_finds():

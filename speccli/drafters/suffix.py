@@ -12,11 +12,8 @@ fewer than MIN_SHARE of them continue with is not drafted)."""
 from __future__ import annotations
 
 import heapq
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -56,7 +53,6 @@ HISTORY_TOKENS = 200_000
 TRIMMED_TO = 0.9
 # How far the guess reaches that `signal` keeps, to learn from where another drafter drafts.
 SHADOW_LENGTH = 16
-STORE_FORMAT = 1
 
 
 def bucket(match: int) -> int:
@@ -153,18 +149,28 @@ class TokenIndex:
 
 class SuffixHistory:
     """Earlier texts (prompts and answers) of the session, at most `max_tokens` of them, the
-    oldest dropped first; saved to and read from `store` where one is given."""
+    oldest dropped first; `texts` to start from (a store's), and `on_add` called with the
+    history after each text joins it (to write the store: speccli.pipeline)."""
 
-    def __init__(self, max_tokens: int = HISTORY_TOKENS, store: Path | None = None, identity: str = "") -> None:
+    def __init__(
+        self,
+        max_tokens: int = HISTORY_TOKENS,
+        texts: Sequence[Sequence[int]] = (),
+        on_add: Callable[[SuffixHistory], None] | None = None,
+    ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.max_tokens = max_tokens
-        self.store = store
-        self.identity = identity
+        self.on_add = on_add
         self.texts: list[list[int]] = []
+        total = 0
+        for text in reversed(texts):  # the latest kept within the cap
+            if total + len(text) > max_tokens:
+                break
+            total += len(text)
+            self.texts.insert(0, list(text))
         self.index = TokenIndex()
-        if store is not None:
-            self._load(store)
+        self._reindex()
 
     def add(self, tokens: Sequence[int]) -> None:
         """Remember a text (kept whole, at most its last max_tokens); the oldest go past the cap.
@@ -176,7 +182,7 @@ class SuffixHistory:
         if self.texts and len(text) >= len(self.texts[-1]) and text[: len(self.texts[-1])] == self.texts[-1]:
             self.index.truncate(len(self.index) - len(self.texts.pop()) - 1)
         self.texts.append(text)
-        total = sum(len(t) for t in self.texts)
+        total = self.tokens
         if total > self.max_tokens:
             # Down to TRIMMED_TO of the cap, so that the index is rebuilt (0.2 s at 200,000
             # tokens on a 2-core CPU) once in many generations, not after each.
@@ -184,11 +190,9 @@ class SuffixHistory:
                 total -= len(self.texts.pop(0))
             self._reindex()
         else:
-            self.index.extend(text)
-            self.index.close()
-            self.index.index_upto(len(self.index))
-        if self.store is not None:
-            self._save(self.store)
+            self._index_text(text)
+        if self.on_add is not None:
+            self.on_add(self)
 
     @property
     def tokens(self) -> int:
@@ -197,31 +201,12 @@ class SuffixHistory:
     def _reindex(self) -> None:
         self.index = TokenIndex()
         for text in self.texts:
-            self.index.extend(text)
-            self.index.close()
+            self._index_text(text)
+
+    def _index_text(self, text: list[int]) -> None:
+        self.index.extend(text)
+        self.index.close()
         self.index.index_upto(len(self.index))
-
-    def _load(self, path: Path) -> None:
-        try:
-            data = json.loads(path.read_text())
-            if data.get("format") != STORE_FORMAT or data.get("identity") != self.identity:
-                return
-            texts = [[int(t) for t in text] for text in data["texts"]]
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # missing or damaged: it only costs what it would have saved
-        total = 0
-        for text in reversed(texts):  # the latest kept within the cap
-            if total + len(text) > self.max_tokens:
-                break
-            total += len(text)
-            self.texts.insert(0, text)
-        self._reindex()
-
-    def _save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({"format": STORE_FORMAT, "identity": self.identity, "texts": self.texts}))
-        os.replace(temporary, path)
 
 
 @dataclass(frozen=True)

@@ -302,7 +302,7 @@ def read_json_object(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def write_json(path: Path, payload: object) -> None:
+def write_json(path: Path, payload: object, indent: int | None = 2) -> None:
     """Write `payload` as JSON to `path` whole or not at all (a temporary file beside it, then a
     rename). Best effort: a read-only or full cache only costs its work again next time."""
     tmp_name: str | None = None
@@ -310,7 +310,7 @@ def write_json(path: Path, payload: object) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=2)
+            json.dump(payload, f, indent=indent)
         os.replace(tmp_name, path)
         tmp_name = None
     except OSError:
