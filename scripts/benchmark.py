@@ -13,7 +13,9 @@ prompt, so slow drift of the machine hits every method alike):
   hf-prompt-lookup  target.generate(..., prompt_lookup_num_tokens=10)
   specgen-auto      specgen with its defaults (--draft auto, --tree auto, k auto): the draft and suffix
                     drafting taking turns (no history: as a one-shot generate), chains or trees as each
-                    has measured faster, plain where drafting has not paid
+                    has measured faster, plain where drafting has not paid; suffix drafting's guess grafted
+                    into the draft's trees where its k auto says it would draft too
+  specgen-auto-ungrafted  the same without grafting: what the grafts give
   specgen-draft     the draft alone drafting chains (--no-tree): the draft loaded as specgen loads a
                     draft (int8 on the CPU), k auto from a calibration made before timing, early stop
                     on the draft's confidence
@@ -87,6 +89,7 @@ METHODS = (
     "hf-assisted-int8",
     "hf-prompt-lookup",
     "specgen-auto",
+    "specgen-auto-ungrafted",
     "specgen-draft",
     "specgen-ngram",
     "specgen-plain",
@@ -193,6 +196,13 @@ class Bench:
                 CandidateDrafter([self.draft_drafter, SuffixDrafter()]),
                 costs,
             ),
+            "specgen-auto-ungrafted": Speculator.over(
+                target_lm,
+                target.tokenizer,
+                self.eos,
+                CandidateDrafter([self.draft_drafter, SuffixDrafter()], graft=False),
+                costs,
+            ),
             # Its history: the prompts and answers of its own earlier runs in this process.
             "specgen-suffix": Speculator.over(
                 target_lm,
@@ -247,7 +257,9 @@ class Bench:
         plain = method in ("specgen-plain", "specgen-plain-stock")
         drafter = None if plain else generator.drafter
         # Trees for the tree methods, chains for the others, and k auto's own choice for specgen-auto and -suffix.
-        tree = None if method in ("specgen-auto", "specgen-suffix") else method in TREE_METHODS
+        tree = (
+            None if method in ("specgen-auto", "specgen-auto-ungrafted", "specgen-suffix") else method in TREE_METHODS
+        )
         spec = SpecConfig(k=self.k, max_new_tokens=max_new, tree=tree)
         # The target's passes and the drafter's own: a draft model's backend, or the heads' (HeadPasses).
         draft_model = drafter.draft_model if drafter is not None else None
@@ -463,6 +475,7 @@ def run_dtype(dtype: str, args, prompts) -> dict:
         ("specgen-suffix", "specgen-ngram-tree"),
         ("specgen-suffix", "specgen-draft"),
         ("specgen-suffix", "specgen-plain"),
+        ("specgen-auto", "specgen-auto-ungrafted"),
     ]
     pairs += [("specgen-auto", b) for b in FIXED_CHOICES]
     pairs += [(a, b) for a in HEAD_METHODS for b in ("specgen-plain", "specgen-draft")]

@@ -72,10 +72,13 @@ class StepEvent:
     # The part of draft_seconds the draft model spent reading text it had not seen (the
     # prompt, the tokens of plain steps) before drafting: not a cost of each drafted token.
     catch_up_seconds: float = 0.0
-    # A lookahead step: how long prompt lookup's guess in its tree was, and how many of the
-    # accepted tokens it had (the rest came from the window's and the pool's n-grams).
+    # A lookahead step (or a tree with a guess grafted in): how long prompt lookup's guess in
+    # its tree was, and how many of the accepted tokens it had (the rest came from the window's and the pool's n-grams).
     guessed: int = 0
     guessed_kept: int = 0
+    # A tree with another candidate's guess grafted in (also counted in guessed, guessed_kept):
+    # the (depth, accepted) of the drafting candidate's own nodes, what its k auto learns from.
+    own: tuple[int, int] | None = None
     # How the step drafted: "plain", or the drafter and its form ("model chain", "ngram tree",
     # "lookahead"): what --stats and --json count by method.
     method: str = "plain"

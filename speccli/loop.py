@@ -34,7 +34,7 @@ from speccli.events import (
     step_provenances,
 )
 from speccli.text import Detokenizer, OutputText
-from speccli.tree import TreePass, TreeShape, kept_offsets, verify_tree
+from speccli.tree import TreePass, TreeShape, kept_offsets, own_share, verify_tree
 from speccli.verify import make_generator, verify_chain
 
 
@@ -310,6 +310,10 @@ class SpeculativeDecoder:
             self._features.hand_over(len(context) - 1, kept)
         self._source.settle(Settled(len(context) + verdict.accepted, verdict.path, branch_guesses))
         tokens = [tree.tokens[node] for node in verdict.path] + [verdict.next_token]
+        own = None if draft.own is None else own_share(tree, draft.own, verdict.path)
+        method = self._method(plan, drafted=tree.depth)
+        if own is not None and plan.graft is not None:
+            method += f"+{plan.graft.source}"
         event = StepEvent(
             step=step,
             drafted=tree.depth,
@@ -321,7 +325,8 @@ class SpeculativeDecoder:
             catch_up_seconds=prepared,
             guessed=len(draft.guess),
             guessed_kept=common_prefix_length(draft.guess, tokens[:-1]),
-            method=self._method(plan, drafted=tree.depth),
+            own=own,
+            method=method,
         )
         return StepOutcome(tokens, step_provenances(verdict.accepted, len(tree), verdict.resampled), event)
 

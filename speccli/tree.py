@@ -54,13 +54,16 @@ class TokenTree:
     (ROOT included); siblings are then in the order they were drawn. A node was drawn
     from that distribution with its earlier siblings' tokens removed, or with the tokens
     `excluded[node]` removed where siblings drawn before it were left out of the tree.
-    Without `dists` the children are deterministic (q one-hot)."""
+    Without `dists` the children are deterministic (q one-hot); so are the nodes in `fixed`
+    of a sampled tree (another drafter's guess grafted into it: `graft`), each after the
+    siblings drawn before it."""
 
     tokens: list[int]
     parents: list[int]
     dists: torch.Tensor | None = None
     dist_rows: dict[int, int] = field(default_factory=dict)
     excluded: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    fixed: frozenset[int] = frozenset()
     depths: list[int] = field(init=False)
     children: dict[int, list[int]] = field(init=False)
 
@@ -79,7 +82,8 @@ class TokenTree:
             children[node] = []
             depths.append(1 if parent == ROOT else depths[parent] + 1)
         if self.dists is not None:
-            missing = [p for p in children if children[p] and p not in self.dist_rows]
+            drawn = {p: [c for c in kids if c not in self.fixed] for p, kids in children.items()}
+            missing = [p for p in drawn if drawn[p] and p not in self.dist_rows]
             if missing:
                 raise ValueError(f"sampled tree without the draft distribution of nodes {missing}")
         object.__setattr__(self, "depths", depths)
@@ -132,17 +136,55 @@ class TokenTree:
         drawn before it (renormalised)."""
         if self.dists is None:
             raise ValueError("a deterministic tree's nodes were not drawn from a distribution")
+        if node in self.fixed:
+            q = torch.zeros(self.dists.shape[-1], device=device, dtype=torch.float32)
+            q[self.tokens[node]] = 1.0
+            return q
         parent = self.parents[node]
         q = self.dists[self.dist_rows[parent]].to(device=device, dtype=torch.float32)
         removed = self.excluded.get(node)
         if removed is None:
-            siblings = self.children[parent]
+            siblings = [s for s in self.children[parent] if s not in self.fixed]
             removed = tuple(self.tokens[s] for s in siblings[: siblings.index(node)])
         if removed:
             q = q.clone()
             q[list(removed)] = 0.0
             q = q / q.sum().clamp_min(torch.finfo(q.dtype).tiny)
         return q
+
+
+def graft(tree: TokenTree, guess: Sequence[int], max_nodes: int) -> TokenTree:
+    """`tree` with another drafter's deterministic `guess` (a chain under the root) grafted in:
+    the guess follows the tree's nodes while they hold its tokens, and the rest of it hangs
+    under the last one reached as new nodes, after their siblings, at most `max_nodes` nodes
+    in all. The tree's nodes keep their numbers (the new ones come after), so that what its
+    drafter knows of them still holds. In a sampled tree the new nodes are `fixed` (q
+    one-hot): the guess depends on the context alone, and the multi-candidate rule takes
+    any sibling's q as long as it is what that sibling was drawn from."""
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    node = ROOT
+    for token in guess:
+        existing = next((c for c in tree.children.get(node, ()) if tokens[c] == token), None)
+        if existing is None:
+            if len(tokens) >= max_nodes:
+                break
+            existing = len(tokens)
+            tokens.append(token)
+            parents.append(node)
+        node = existing
+    if len(tokens) == len(tree):
+        return tree
+    added = frozenset(range(len(tree), len(tokens)))
+    fixed = tree.fixed | added if tree.sampled else frozenset()
+    return TokenTree(tokens, parents, tree.dists, dict(tree.dist_rows), dict(tree.excluded), fixed)
+
+
+def own_share(tree: TokenTree, own: int, path: Sequence[int]) -> tuple[int, int]:
+    """(depth, accepted) of the drafter's own nodes (those before `own`) in a tree with a
+    grafted guess: how deep its own tree went, and how much of the accepted `path` it held
+    (a graft's new nodes hang below the drafter's, so they end the path)."""
+    depth = max(tree.depths[:own], default=0)
+    return depth, sum(1 for node in path if node < own)
 
 
 def verify_tree_greedy(scores: torch.Tensor, tree: TokenTree) -> Verdict:

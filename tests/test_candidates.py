@@ -12,7 +12,7 @@ import torch
 import speccli.loop as decoder_module
 from conftest import ON_CPU, char_tokenizer, perturbed_copy, tiny_llama, wrap
 from speccli.autok.chooser import MethodChooser
-from speccli.autok.plan import DraftSignal, StepPlan
+from speccli.autok.plan import DraftSignal, Graft, StepPlan
 from speccli.autok.policy import DraftLengthPolicy
 from speccli.config import SamplingConfig, SpecConfig
 from speccli.drafters.candidates import CandidateDrafter
@@ -36,7 +36,8 @@ class Rotation(DraftLengthPolicy):
         plan = self.plans[self.step % len(self.plans)]
         self.step += 1
         k = min(plan.k, room)
-        return StepPlan(k, tree=plan.tree and k > 0, source=plan.source if k > 0 else None)
+        graft = None if plan.graft is None or k == 0 else Graft(plan.graft.source, min(plan.graft.k, room))
+        return StepPlan(k, tree=plan.tree and k > 0, source=plan.source if k > 0 else None, graft=graft)
 
     def next_k(self) -> int:
         raise AssertionError("plans whole steps")
@@ -51,6 +52,7 @@ ROTATION = [
     StepPlan(3, tree=True, source="model"),
     StepPlan(0),
     StepPlan(4, tree=True, source="ngram"),
+    StepPlan(2, tree=True, source="model", graft=Graft("ngram", 4)),
 ]
 
 
@@ -68,7 +70,7 @@ def test_every_method_mixed_in_one_generation_equals_the_targets_greedy_output(p
         events = list(decoder.generate(ids, SamplingConfig(), SpecConfig(max_new_tokens=MAX_NEW), Rotation(ROTATION)))
         assert emitted(events) == target_greedy(pair.target, ids), prompt
         methods.update(e.method for e in events if isinstance(e, StepEvent))
-    assert {"model chain", "model tree", "plain"} <= set(methods), methods
+    assert {"model chain", "model tree", "model tree+ngram", "plain"} <= set(methods), methods
     assert methods["ngram chain"] + methods["ngram tree"] > 0, methods
 
 
@@ -124,7 +126,12 @@ def test_switching_samples_follow_the_exact_target_distribution(lettered_pair, s
     prompt = tokenizer("abcab", add_special_tokens=False)["input_ids"]
     drafter = CandidateDrafter([ModelDrafter(wrap(draft), vocab), PromptLookupDrafter()])
     decoder = SpeculativeDecoder(wrap(target), tokenizer, [], drafter)
-    rotation = [StepPlan(2, source="ngram"), StepPlan(2, source="model"), StepPlan(2, tree=True, source="model")]
+    rotation = [
+        StepPlan(2, source="ngram"),
+        StepPlan(2, source="model"),
+        StepPlan(2, tree=True, source="model"),
+        StepPlan(1, tree=True, source="model", graft=Graft("ngram", 2)),
+    ]
     seeds = torch.Generator().manual_seed(sampling.seed)
     counts = torch.zeros(vocab**CONTINUATION, dtype=torch.long)
     methods = collections.Counter()
@@ -132,14 +139,14 @@ def test_switching_samples_follow_the_exact_target_distribution(lettered_pair, s
         seed = int(torch.randint(0, 2**62, (1,), generator=seeds))
         run = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
         # Each generation starts the rotation at another place: every method at every position.
-        policy = Rotation(rotation[draw % 3 :] + rotation[: draw % 3])
+        policy = Rotation(rotation[draw % 4 :] + rotation[: draw % 4])
         events = list(decoder.generate(prompt, run, SpecConfig(max_new_tokens=CONTINUATION), policy))
         methods.update(e.method for e in events if isinstance(e, StepEvent))
         index = 0
         for event in (e for e in events if isinstance(e, TokenEvent)):
             index = index * vocab + event.token_id
         counts[index] += 1
-    assert {"ngram chain", "model chain", "model tree"} <= set(methods), methods
+    assert {"ngram chain", "model chain", "model tree", "model tree+ngram"} <= set(methods), methods
     assert_follows(counts, exact_continuation_distribution(target, prompt, sampling), vocab)
 
 
@@ -250,3 +257,28 @@ def test_the_guesses_of_steps_others_drafted_teach_prompt_lookups_k_auto():
         chooser.observe(StepEvent(number, 4, 4, 0.0, 0.1, method="model chain"))
     assert lookup.policy(3).acceptance()[0] > max(before, 0.9)
     assert model.acceptance()[0] > 0.7  # the model's own steps, all accepted
+
+
+def test_a_cheap_candidate_that_would_draft_too_is_grafted_into_the_chosen_ones_tree():
+    from speccli.autok.policy import AdaptiveDraftLength, DraftLengthByMatch
+
+    def seeded(policy):
+        policy.costs.seed({fed: 1.0 + 0.01 * fed for fed in range(1, 20)}, draft_per_token=0.05)
+        return policy
+
+    model = seeded(AdaptiveDraftLength(max_k=8, prior_acceptance=0.9))
+    lookup = seeded(DraftLengthByMatch(lambda match: AdaptiveDraftLength(max_k=8, prior_acceptance=0.6)))
+    chooser = MethodChooser({"model": model, "ngram": lookup}, graftable=["ngram"])
+    matched = DraftSignal(parts=(("model", DraftSignal()), ("ngram", DraftSignal(match=2))))
+    plan = chooser.plan(matched, 16, True)
+    assert plan.source == "model" and plan.graft is not None and plan.graft.source == "ngram"
+    assert plan.graft.k == lookup.policy(2).next_k() > 0
+    # No match: prompt lookup would not draft, so nothing is grafted.
+    assert chooser.plan(DraftSignal(parts=(("model", DraftSignal()), ("ngram", DraftSignal()))), 16, True).graft is None
+    assert MethodChooser({"model": model, "ngram": lookup}).plan(matched, 16, True).graft is None  # none graftable
+
+    # The model learns from its own nodes: 2 of its 3 deep; the graft's 3 more accepted are not its.
+    chooser.plan(matched, 16, True)
+    chooser.observe(StepEvent(1, 6, 5, 0.0, 0.1, fed=9, tree=True, own=(3, 2), method="model tree+ngram"))
+    assert model._session_tried == [1, 1, 1, 0, 0, 0, 0, 0]  # nothing counted past its own depth
+    assert model._session_kept == [1, 1, 0, 0, 0, 0, 0, 0]

@@ -16,7 +16,9 @@ from speccli.tree import (
     TokenTree,
     TreeShape,
     best_node_count,
+    graft,
     kept_offsets,
+    own_share,
     verify_tree_greedy,
     verify_tree_sampled,
 )
@@ -159,10 +161,57 @@ class TestMultiCandidateRule:
         )
         assert_follows(torch.bincount(picks, minlength=8), Q, "first sibling")
 
+    @pytest.mark.parametrize("guess", [4, 1])
+    def test_a_guess_grafted_after_sampled_siblings_gives_the_target_distribution(self, guess):
+        # Token 4 (P 0.13, Q 0.02) is new to the siblings wherever they fall; token 1 is Q's likeliest, so the
+        # guess often follows a drawn sibling instead of adding one.
+        firsts = first_tokens(lambda g: graft(sampled_siblings(g, count=2), [guess], max_nodes=4), DRAWS, seed=4)
+        assert_follows(torch.bincount(firsts, minlength=8), P, f"2 sampled siblings and a guess of {guess}")
+
+    def test_power_a_grafted_guess_taken_as_drawn_from_q_is_caught(self):
+        def as_drawn(generator):
+            tree = graft(sampled_siblings(generator, count=2), [4], max_nodes=4)
+            # The grafted node treated as a third draw from Q, not as the one-hot guess it is.
+            return TokenTree(tree.tokens, tree.parents, tree.dists, tree.dist_rows, {})
+
+        firsts = first_tokens(as_drawn, DRAWS, seed=4)
+        pvalue, _ = fit(torch.bincount(firsts, minlength=8), P)
+        assert pvalue < POWER_P
+
     def test_power_ignoring_that_siblings_were_drawn_without_replacement_is_caught(self):
         firsts = first_tokens(lambda g: sampled_siblings(g, exclude=False), DRAWS, seed=1)
         pvalue, _ = fit(torch.bincount(firsts, minlength=8), P)
         assert pvalue < POWER_P
+
+
+class TestGraft:
+    def test_a_guess_follows_the_trees_nodes_then_hangs_below_the_last_one_reached(self):
+        tree = graft(SHAPED, [10, 12, 7, 8], max_nodes=16)
+        assert tree.tokens == [10, 11, 12, 13, 14, 7, 8] and tree.parents == [ROOT, 0, 0, 1, ROOT, 2, 5]
+        assert tree.children[2] == [5] and tree.fixed == frozenset()  # deterministic tree: nothing to mark
+
+    def test_a_guess_the_tree_already_holds_adds_nothing(self):
+        assert graft(SHAPED, [10, 11, 13], max_nodes=16) is SHAPED
+
+    def test_a_new_sibling_comes_after_the_drafted_ones(self):
+        tree = graft(SHAPED, [10, 9], max_nodes=16)
+        assert tree.children[0] == [1, 2, 5] and tree.tokens[5] == 9
+
+    def test_the_graft_stops_at_max_nodes(self):
+        tree = graft(SHAPED, [15, 16, 17], max_nodes=6)
+        assert tree.tokens == [10, 11, 12, 13, 14, 15] and tree.parents[5] == ROOT
+
+    def test_in_a_sampled_tree_the_new_nodes_are_one_hot(self):
+        sampled = TokenTree([2, 1], [ROOT, ROOT], Q[None], {ROOT: 0}, {0: (), 1: (2,)})
+        tree = graft(sampled, [5, 6], max_nodes=8)
+        assert tree.fixed == frozenset({2, 3}) and tree.excluded == sampled.excluded
+        assert torch.equal(tree.drawn_from(2, torch.device("cpu")), torch.eye(8)[5])
+        assert torch.allclose(tree.drawn_from(1, torch.device("cpu")), sampled.drawn_from(1, torch.device("cpu")))
+
+    def test_the_drafters_own_share_of_the_tree_and_of_the_accepted_path(self):
+        tree = graft(SHAPED, [10, 12, 7, 8], max_nodes=16)
+        assert own_share(tree, len(SHAPED), [0, 2, 5, 6]) == (3, 2)
+        assert own_share(tree, len(SHAPED), [4]) == (3, 1)
 
 
 class TestNodeCount:

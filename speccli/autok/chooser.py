@@ -4,9 +4,9 @@ own policy's plan promises the most tokens per second."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
+from typing import Collection, Mapping
 
-from speccli.autok.plan import DraftSignal, StepPlan
+from speccli.autok.plan import DraftSignal, Graft, StepPlan
 from speccli.autok.policy import DraftLengthPolicy, KAutoPolicy
 from speccli.events import StepEvent
 
@@ -22,12 +22,19 @@ class MethodChooser(DraftLengthPolicy):
 
     A step another candidate drafts is priced with one more of the first candidate's draft
     passes: the first (a draft model, or heads) reads what that step settled before it
-    drafts again, a cost of the other's step, not of its own."""
+    drafts again, a cost of the other's step, not of its own.
 
-    def __init__(self, policies: Mapping[str, KAutoPolicy]) -> None:
+    A `graftable` candidate (one whose guess costs no pass: prompt lookup, suffix drafting)
+    that would draft too, but is not the one chosen, has its guess grafted into the chosen
+    one's tree where the step is a tree (speccli.tree.graft): its own policy, the same that
+    would have it draft alone, says the guess is worth a pass's room. What the guess did
+    reaches that policy as a shadow; the chosen one learns from its own nodes alone."""
+
+    def __init__(self, policies: Mapping[str, KAutoPolicy], graftable: Collection[str] = ()) -> None:
         if not policies:
             raise ValueError("a chooser needs at least one candidate")
         self.policies = dict(policies)
+        self.graftable = frozenset(graftable)
         self._chosen: str | None = None
         self._last: str | None = None  # the candidate that drafted the last step (None: plain)
 
@@ -39,6 +46,7 @@ class MethodChooser(DraftLengthPolicy):
     def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
         best: StepPlan | None = None
         best_rate = -1.0
+        graft: tuple[float, Graft] | None = None
         first = next(iter(self.policies.values()))
         for name, policy in self.policies.items():
             part = signal.part(name)
@@ -55,8 +63,14 @@ class MethodChooser(DraftLengthPolicy):
             rate = policy.expected(plan.k) / seconds if seconds else 0.0
             if rate > best_rate:
                 best, best_rate = replace(plan, source=name), rate
+            if name in self.graftable and (graft is None or rate > graft[0]):
+                graft = (rate, Graft(name, plan.k))
         self._chosen = best.source if best is not None else None
-        return best if best is not None else StepPlan()
+        if best is None:
+            return StepPlan()
+        if graft is not None and graft[1].source != best.source:
+            best = replace(best, graft=graft[1])
+        return best
 
     def plain_seconds(self) -> float | None:
         return next(iter(self.policies.values())).plain_seconds()
@@ -65,8 +79,11 @@ class MethodChooser(DraftLengthPolicy):
         chosen, self._chosen = self._chosen, None
         self._last = chosen if step.drafted else None
         for name, policy in self.policies.items():
-            if chosen is None or name == chosen:
+            if chosen is None:
                 policy.observe(step)
+            elif name == chosen:
+                own = step if step.own is None else replace(step, drafted=step.own[0], accepted=step.own[1])
+                policy.observe(own)
             else:
                 policy.costs.observe_pass(step)
 

@@ -58,6 +58,15 @@ class LookaheadPlan:
 
 
 @dataclass(frozen=True)
+class Graft:
+    """A cheap candidate's guess (prompt lookup, suffix drafting) grafted into another's tree:
+    one pass verifies both (speccli.tree.graft)."""
+
+    source: str
+    k: int
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """One step: draft k tokens as a chain or as a tree k deep (0: a plain step), a tree
     sized by `costs`, and with `lookahead` the window and the pool in the pass."""
@@ -67,6 +76,7 @@ class StepPlan:
     costs: CostCurve | None = None  # the live step costs that size a tree (None: the calibration's)
     lookahead: LookaheadPlan | None = None
     source: str | None = None  # which candidate drafts, where drafters take turns
+    graft: Graft | None = None  # in a tree step, another candidate's guess in the same tree
 
     def __post_init__(self) -> None:
         if self.k < 0:

@@ -39,8 +39,12 @@ class TreeDraft:
     # Tokens the pass carries without being drafts (lookahead's Jacobi window): the target's
     # argmax at each comes back to the drafter in `Settled.branch_guesses`.
     branch: Branch | None = None
-    # Prompt lookup's guess inside the tree (lookahead), to count what it alone kept.
+    # Prompt lookup's guess inside the tree (lookahead, or grafted into another's), to count
+    # what it alone kept.
     guess: Sequence[int] = ()
+    # Where a guess was grafted in: how many of the tree's nodes (the first ones) are the
+    # drafter's own.
+    own: int | None = None
 
 
 @dataclass(frozen=True)

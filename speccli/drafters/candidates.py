@@ -24,6 +24,7 @@ from speccli.config import SamplingConfig
 from speccli.coupling import Noise
 from speccli.drafters.base import Draft, Drafter, FeatureReader, LearnsText, Settled, TreeDraft
 from speccli.tree import TreeShape
+from speccli.tree import graft as grafted
 
 # A fixed k drafts with prompt lookup (a cheap candidate) where its match is at least this
 # long (its drafts come true most often there: speccli.drafters.ngram.LOOKUP_ACCEPTANCE), and
@@ -35,7 +36,8 @@ CHEAP = ("suffix", "ngram")  # the candidates that draft from a match, at no mod
 class CandidateDrafter(Drafter):
     """Drafters that take turns: the plan's `source` names the one that drafts a step."""
 
-    def __init__(self, candidates: Sequence[Drafter]) -> None:
+    def __init__(self, candidates: Sequence[Drafter], graft: bool = True) -> None:
+        """`graft`: a cheap candidate's guess may ride in another's tree (MethodChooser)."""
         names = [candidate.name for candidate in candidates]
         if len(candidates) < 2 or len(set(names)) != len(names):
             raise ValueError(f"candidates need two or more drafters of different names, got {names}")
@@ -45,7 +47,9 @@ class CandidateDrafter(Drafter):
         self.name = "+".join(names)
         # Trees where every candidate drafts them: a chain drafted from q is verified as one.
         self.drafts_trees = all(candidate.drafts_trees for candidate in candidates)
+        self.graft = graft
         self._active: Drafter = candidates[0]
+        self._plan = StepPlan()
         self._chooser: MethodChooser | None = None
 
     @property
@@ -77,7 +81,8 @@ class CandidateDrafter(Drafter):
         if kept is None or list(kept.policies.values()) != list(policies.values()):
             # Kept while the candidates' policies are: what the decoder keeps over it (the measured
             # rates, the ways stopped) then carries from one generation to the next as well.
-            kept = self._chooser = MethodChooser(policies)
+            graftable = [name for name in policies if name in CHEAP] if self.graft else []
+            kept = self._chooser = MethodChooser(policies, graftable)
         return kept
 
     def signal(self, context: Sequence[int]) -> DraftSignal:
@@ -87,6 +92,7 @@ class CandidateDrafter(Drafter):
         )
 
     def prepare(self, context: Sequence[int], plan: StepPlan) -> None:
+        self._plan = plan
         self._active = self.candidates[plan.source] if plan.source is not None else next(iter(self.candidates.values()))
         self._active.prepare(context, plan)
 
@@ -108,7 +114,16 @@ class CandidateDrafter(Drafter):
         generator: torch.Generator | None,
         noise: Noise | None = None,
     ) -> TreeDraft:
-        return self._active.propose_tree(context, shape, sampling, generator, noise)
+        """The active candidate's tree, with the plan's graft (a cheap candidate's guess) in it."""
+        drafted = self._active.propose_tree(context, shape, sampling, generator, noise)
+        graft = self._plan.graft
+        if graft is None or self.candidates[graft.source] is self._active or drafted.branch is not None:
+            return drafted
+        guess = self.candidates[graft.source].propose(context, graft.k, sampling, generator).tokens
+        if not guess:
+            return drafted
+        tree = grafted(drafted.tree, guess, max(shape.max_nodes, len(drafted.tree)))
+        return TreeDraft(tree, guess=guess, own=len(drafted.tree))
 
     def settle(self, settled: Settled) -> None:
         for candidate in self.candidates.values():
