@@ -33,6 +33,7 @@ from speccli.autok.policy import AcceptancePrior
 from speccli.backends.llamacpp import llama_cpp_version
 from speccli.loop import SpeculativeDecoder
 from speccli.models.names import offline
+from speccli.models.pairs.drafts import LOOKAHEAD, PROMPT_LOOKUP, TRAINED_HEAD_KINDS
 from speccli.models.loading import LoadedModel, cpu_name, dtype_name
 
 T = TypeVar("T")
@@ -235,12 +236,18 @@ def read_prior(path: Path, identity: dict[str, Any]) -> AcceptancePrior | None:
     return _read_entry(path, identity, _learned_prior_from)
 
 
+# Drafters without a model of their own whose measured gains `--draft auto` weighs.
+MEASURED_DRAFTERS = (*TRAINED_HEAD_KINDS, LOOKAHEAD, PROMPT_LOOKUP)
+
+
 def measured_draft_gains(
     target_name: str, cache_dir: Path | None = None, device: torch.device | None = None
 ) -> dict[str, float]:
     """For each draft model a session of `target_name` drafted with on this hardware (`device`,
-    default: this CPU), the best gain over plain decoding its ways of drafting measured (the `methods`
-    of its saved acceptance prior): what `--draft auto` weighs a draft of another tokenizer by."""
+    default: this CPU), and each of MEASURED_DRAFTERS (heads trained here, alone or taking turns,
+    lookahead, prompt lookup), the best gain over plain decoding its ways of drafting measured
+    (the `methods` of its saved acceptance prior): what `--draft auto` weighs a draft of another
+    tokenizer, trained heads or lookahead by."""
     hardware = hardware_name(device or torch.device("cpu"))
     gains: dict[str, float] = {}
     root = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
@@ -249,12 +256,18 @@ def measured_draft_gains(
             data = json.loads(path.read_text())
             identity, methods = data["identity"], data.get("methods", {})
             draft, target = identity.get("draft"), identity["target"]["name"]
-            if target != target_name or identity.get("hardware") != hardware or not isinstance(draft, dict):
+            if target != target_name or identity.get("hardware") != hardware:
                 continue
-            best = max(float(entry["gain"]) for way, entry in methods.items() if way.startswith("model "))
+            if isinstance(draft, dict):
+                name, ways = str(draft["name"]), "model "
+            elif isinstance(draft, str) and draft.partition("+")[0] in MEASURED_DRAFTERS:
+                name = draft.partition("+")[0]  # heads trained here (alone or taking turns), lookahead, ngram
+                ways = f"{name} "
+            else:
+                continue
+            best = max(float(entry["gain"]) for way, entry in methods.items() if f"{way} ".startswith(ways))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # damaged, of another format, or no drafting measured
-        name = str(draft["name"])
         gains[name] = max(best, gains.get(name, 0.0))
     return gains
 

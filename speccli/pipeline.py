@@ -25,7 +25,7 @@ from speccli.models.errors import ModelLoadError, TokenizerMismatchError
 from speccli.models.pairs.compat import check_tokenizers_compatible, shared_vocab
 from speccli.drafters.vocab_bridge import VocabBridge, bridge_vocabularies
 from speccli.models.pairs.drafts import AUTO as AUTO_DRAFT
-from speccli.models.pairs.drafts import choose_draft
+from speccli.models.pairs.drafts import choose_draft, trained_heads
 from speccli.models.loading import (
     LoadedModel,
     PendingModel,
@@ -178,7 +178,8 @@ def load_pipeline(
 
         device = choose_device(target_config.device)
         measured = measured_draft_gains(target_name, device=device)
-        choice = choose_draft(target_name, cuda=device.type == "cuda", measured=measured)
+        trained = trained_heads(target_name)
+        choice = choose_draft(target_name, cuda=device.type == "cuda", measured=measured, trained=trained)
         if progress is not None:
             progress(f"draft: {choice.name} (--draft auto: {choice.reason})")
         draft_name = choice.name

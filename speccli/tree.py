@@ -29,7 +29,7 @@ Afterwards the caller keeps the root and the accepted path in the target's cache
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -153,20 +153,23 @@ class TokenTree:
         return q
 
 
-def graft(tree: TokenTree, guess: Sequence[int], max_nodes: int) -> TokenTree:
+def graft(
+    tree: TokenTree, guess: Sequence[int], max_nodes: int, worth: Callable[[int, int], bool] | None = None
+) -> TokenTree:
     """`tree` with another drafter's deterministic `guess` (a chain under the root) grafted in:
     the guess follows the tree's nodes while they hold its tokens, and the rest of it hangs
     under the last one reached as new nodes, after their siblings, at most `max_nodes` nodes
-    in all. The tree's nodes keep their numbers (the new ones come after), so that what its
-    drafter knows of them still holds. In a sampled tree the new nodes are `fixed` (q
+    in all, and only while `worth(position in the guess, nodes so far)` says a new node pays.
+    The tree's nodes keep their numbers (the new ones come after), so that what its drafter
+    knows of them still holds. In a sampled tree the new nodes are `fixed` (q
     one-hot): the guess depends on the context alone, and the multi-candidate rule takes
     any sibling's q as long as it is what that sibling was drawn from."""
     tokens, parents = list(tree.tokens), list(tree.parents)
     node = ROOT
-    for token in guess:
+    for position, token in enumerate(guess):
         existing = next((c for c in tree.children.get(node, ()) if tokens[c] == token), None)
         if existing is None:
-            if len(tokens) >= max_nodes:
+            if len(tokens) >= max_nodes or (worth is not None and not worth(position, len(tokens))):
                 break
             existing = len(tokens)
             tokens.append(token)

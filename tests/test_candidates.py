@@ -211,7 +211,7 @@ def test_draft_auto_lets_suffix_drafting_take_turns_with_the_draft_it_picks_and_
 
     monkeypatch.setattr(
         "speccli.pipeline.choose_draft",
-        lambda target, cuda=False, measured=None: DraftChoice(folders["draft"], "picked"),
+        lambda target, cuda=False, measured=None, trained=(): DraftChoice(folders["draft"], "picked"),
     )
     expected = reference_text(folders, "abcabc abcabc", 24)
     args = ["generate", "abcabc abcabc", "--target", folders["target"], "-n", "24", "--json", *ON_CPU]
@@ -273,6 +273,8 @@ def test_a_cheap_candidate_that_would_draft_too_is_grafted_into_the_chosen_ones_
     plan = chooser.plan(matched, 16, True)
     assert plan.source == "model" and plan.graft is not None and plan.graft.source == "ngram"
     assert plan.graft.k == lookup.policy(2).next_k() > 0
+    assert len(plan.graft.survival) == plan.graft.k and plan.graft.rate > 0
+    assert 1 > plan.graft.survival[0] > plan.graft.survival[-1] > 0  # each token needs those before it
     # No match: prompt lookup would not draft, so nothing is grafted.
     assert chooser.plan(DraftSignal(parts=(("model", DraftSignal()), ("ngram", DraftSignal()))), 16, True).graft is None
     assert MethodChooser({"model": model, "ngram": lookup}).plan(matched, 16, True).graft is None  # none graftable

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from speccli.cli import app
-from speccli.models.pairs.drafts import choose_draft, drafts_for
+from speccli.models.pairs.drafts import DraftChoice, choose_draft, drafts_for, trained_heads
 from speccli.models.names.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
@@ -175,4 +175,59 @@ def test_measured_draft_gains_read_the_saved_priors_of_this_target_on_this_machi
     _saved_prior(tmp_path, "e.json", "qwen2.5-0.5b", "ngram", here, {"ngram chain": tree})
     _saved_prior(tmp_path, "f.json", "qwen2.5-0.5b", {"name": "smollm2-360m"}, here, {"ngram chain": tree})
     (tmp_path / "calibration" / "acceptance" / "g.json").write_text("{not json")
-    assert measured_draft_gains("qwen2.5-0.5b", tmp_path) == {"smollm2-135m": 1.4}
+    assert measured_draft_gains("qwen2.5-0.5b", tmp_path) == {"smollm2-135m": 1.4, "ngram": 1.4}
+
+
+def test_lookahead_is_autos_where_it_measured_paying_and_more_than_the_choice_before_it():
+    assert choose_draft("./my-model", measured={"lookahead": 1.05}).name == "ngram"
+    choice = choose_draft("./my-model", measured={"lookahead": 1.4})
+    assert choice == DraftChoice("lookahead", "lookahead decoding measured 1.40x plain decoding's rate here")
+    assert choose_draft("./my-model", measured={"lookahead": 1.4, "ngram": 1.6}).name == "ngram"
+    assert choose_draft("qwen2.5-7b", measured={"lookahead": 1.8}).name == "qwen2.5-0.5b"  # the draft: not measured
+    assert choose_draft("qwen2.5-7b", measured={"lookahead": 2.6, "qwen2.5-0.5b": 2.4}).name == "lookahead"
+    options = drafts_for("./my-model", measured={"lookahead": 1.4})
+    assert next(o for o in options if o.name == "lookahead").auto
+    assert not next(o for o in options if o.name == "suffix").auto  # lookahead takes no turns with suffix drafting
+
+
+def test_heads_trained_here_are_autos_where_they_measured_more_than_its_draft():
+    target = "qwen2.5-7b"  # the draft auto takes otherwise: qwen2.5-0.5b
+    assert choose_draft(target, measured={"eagle": 3.0}).name == "qwen2.5-0.5b"  # none trained here
+    # Trained, but the draft model was never measured here: it keeps its place.
+    assert choose_draft(target, measured={"eagle": 3.0}, trained=["eagle"]).name == "qwen2.5-0.5b"
+    measured = {"qwen2.5-0.5b": 2.1, "eagle": 2.4, "medusa": 2.2}
+    choice = choose_draft(target, measured=measured, trained=["medusa", "eagle"])
+    assert choice == DraftChoice(
+        "eagle", "the eagle heads trained here measured 2.40x plain decoding's rate here (qwen2.5-0.5b: 2.10x)"
+    )
+    assert choose_draft(target, measured={**measured, "eagle": 2.0}, trained=["eagle"]).name == "qwen2.5-0.5b"
+    # Where no draft model serves the target: heads that pay, else prompt lookup.
+    assert choose_draft("./my-model", measured={"medusa": 1.05}, trained=["medusa"]).name == "ngram"
+    assert choose_draft("./my-model", measured={"medusa": 1.5}, trained=["medusa"]).name == "medusa"
+    # Published heads stay first on CUDA.
+    assert choose_draft("llama3.1-8b", cuda=True, measured={"eagle": 9.0}, trained=["eagle"]).name.startswith("eagle3:")
+
+
+def test_drafts_for_marks_trained_heads_that_auto_takes(tmp_path):
+    from speccli.models.names.offline import default_heads_path
+
+    path = default_heads_path(tmp_path, "qwen2.5-7b", "eagle")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
+    assert trained_heads("qwen2.5-7b", tmp_path) == ["eagle"] and trained_heads("qwen2.5-3b", tmp_path) == []
+    options = drafts_for("qwen2.5-7b", tmp_path, measured={"qwen2.5-0.5b": 2.0, "eagle": 2.5})
+    eagle = next(o for o in options if o.name == "eagle")
+    assert eagle.auto and eagle.kind == "heads" and eagle.about.endswith("; measured 2.50x plain here)")
+    assert not next(o for o in options if o.name == "qwen2.5-0.5b").auto
+
+
+def test_measured_draft_gains_count_heads_trained_here_by_their_kind(tmp_path):
+    from speccli.calibration import measured_draft_gains
+    from speccli.models.loading import cpu_name
+
+    here = cpu_name()
+    _saved_prior(tmp_path, "a.json", "qwen2.5-7b", "eagle", here, {"eagle tree": {"gain": 2.5, "steps": 9}})
+    taking_turns = {"medusa chain": {"gain": 1.7, "steps": 9}, "suffix chain": {"gain": 4.0, "steps": 9}}
+    _saved_prior(tmp_path, "b.json", "qwen2.5-7b", "medusa+suffix", here, taking_turns)
+    _saved_prior(tmp_path, "c.json", "qwen2.5-7b", "lookahead", here, {"lookahead": {"gain": 1.3, "steps": 9}})
+    assert measured_draft_gains("qwen2.5-7b", tmp_path) == {"eagle": 2.5, "medusa": 1.7, "lookahead": 1.3}

@@ -403,7 +403,7 @@ def test_auto_falls_back_when_its_head_cannot_be_fetched(tokenizer, target, tmp_
         True: DraftChoice("eagle3:someone/EAGLE3-head", "its registered head"),
         False: DraftChoice("ngram", "prompt lookup"),
     }
-    monkeypatch.setattr(pipeline, "choose_draft", lambda name, cuda=False, measured=None: picks[cuda])
+    monkeypatch.setattr(pipeline, "choose_draft", lambda name, cuda=False, measured=None, trained=(): picks[cuda])
     monkeypatch.setattr("speccli.calibration.measured_draft_gains", lambda target, device=None: {})  # no GPU to name
     folder = save_model_folder(target, tokenizer, tmp_path / "target")
     result = CliRunner().invoke(app, ["generate", "def add(a, b):\n", "--target", str(folder), "-n", "8", *ON_CPU])

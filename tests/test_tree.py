@@ -201,6 +201,27 @@ class TestGraft:
         tree = graft(SHAPED, [15, 16, 17], max_nodes=6)
         assert tree.tokens == [10, 11, 12, 13, 14, 15] and tree.parents[5] == ROOT
 
+    def test_new_nodes_stop_where_they_no_longer_pay(self):
+        # Following the tree's nodes costs nothing; the second new node (position 3) does not pay.
+        asked = []
+
+        def worth(position, nodes):
+            asked.append((position, nodes))
+            return position < 3
+
+        tree = graft(SHAPED, [10, 12, 7, 8, 9], max_nodes=16, worth=worth)
+        assert tree.tokens[5:] == [7] and asked == [(2, 5), (3, 6)]
+
+    def test_a_guess_token_pays_where_its_chance_per_added_second_beats_the_steps_rate(self):
+        from speccli.autok.plan import Graft
+
+        graft_plan = Graft("suffix", 3, survival=(0.9, 0.5, 0.1), rate=20.0)  # 20 tokens/s expected without it
+        assert graft_plan.worth(0, 0.01) and graft_plan.worth(1, 0.02)  # 0.9 >= 0.2, 0.5 >= 0.4
+        assert not graft_plan.worth(2, 0.01)  # 0.1 < 0.2
+        assert not graft_plan.worth(3, 0.001)  # past the guess's known survival
+        assert graft_plan.worth(2, None) and graft_plan.worth(2, -0.003)  # unmeasured, or no dearer: it pays
+        assert Graft("suffix", 3).worth(2, 0.5)  # no rate known: every node
+
     def test_in_a_sampled_tree_the_new_nodes_are_one_hot(self):
         sampled = TokenTree([2, 1], [ROOT, ROOT], Q[None], {ROOT: 0}, {0: (), 1: (2,)})
         tree = graft(sampled, [5, 6], max_nodes=8)

@@ -64,12 +64,13 @@ class MethodChooser(DraftLengthPolicy):
             if rate > best_rate:
                 best, best_rate = replace(plan, source=name), rate
             if name in self.graftable and (graft is None or rate > graft[0]):
-                graft = (rate, Graft(name, plan.k))
+                survival = tuple(policy.expected(i + 1) - policy.expected(i) for i in range(plan.k))
+                graft = (rate, Graft(name, plan.k, survival))
         self._chosen = best.source if best is not None else None
         if best is None:
             return StepPlan()
         if graft is not None and graft[1].source != best.source:
-            best = replace(best, graft=graft[1])
+            best = replace(best, graft=replace(graft[1], rate=max(best_rate, 0.0)))
         return best
 
     def plain_seconds(self) -> float | None:

@@ -64,6 +64,19 @@ class Graft:
 
     source: str
     k: int
+    # The chance that each of the guess's tokens is accepted (all before it too), by position.
+    survival: tuple[float, ...] = ()
+    # What the step is expected to give without the graft, tokens per second (0: not known):
+    # a new node pays where its survival per second it adds to the pass is at least this.
+    rate: float = 0.0
+
+    def worth(self, position: int, added_seconds: float | None) -> bool:
+        """Whether the guess's token at `position` is worth a new node that adds `added_seconds`
+        to the pass (None: not measured, taken as paying)."""
+        if added_seconds is None or self.rate <= 0 or added_seconds <= 0:
+            return True
+        chance = self.survival[position] if position < len(self.survival) else 0.0
+        return chance >= self.rate * added_seconds
 
 
 @dataclass(frozen=True)

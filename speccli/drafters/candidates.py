@@ -122,7 +122,12 @@ class CandidateDrafter(Drafter):
         guess = self.candidates[graft.source].propose(context, graft.k, sampling, generator).tokens
         if not guess:
             return drafted
-        tree = grafted(drafted.tree, guess, max(shape.max_nodes, len(drafted.tree)))
+
+        def worth(position: int, nodes: int) -> bool:
+            now, more = shape.pass_cost(nodes + 1), shape.pass_cost(nodes + 2)
+            return graft.worth(position, None if now is None or more is None else more - now)
+
+        tree = grafted(drafted.tree, guess, max(shape.max_nodes, len(drafted.tree)), worth)
         return TreeDraft(tree, guess=guess, own=len(drafted.tree))
 
     def settle(self, settled: Settled) -> None:

@@ -18,6 +18,11 @@ speccli.drafters.cross). Models of one registry family share one; Llama 3,
    steps' tokens per second against plain decoding, CROSS_DRAFT_PAYS or more);
 4. else prompt lookup (`ngram`), which needs no model and never costs more than a pass.
 
+Heads trained here (`specgen train medusa|eagle`, in the cache: `trained`) and lookahead
+decoding (no download) take the place of what 1-4 chose where a session measured them paying on
+this machine (CROSS_DRAFT_PAYS or more) and more than that choice measured: a draft model never
+measured keeps its place, prompt lookup never measured gives way.
+
 A target the registry does not know (a folder, a GGUF file, another Hub id) gets `ngram`:
 which small model shares its tokenizer is not known without reading both. The tokenizers of
 whatever draft is chosen are still compared before any weights load (speccli.models.pairs.compat).
@@ -28,13 +33,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from speccli.models.names.registry import ALIASES, Alias
 from speccli.models.names.shapes import SHAPES
 
 AUTO = "auto"
 PROMPT_LOOKUP = "ngram"
+LOOKAHEAD = "lookahead"
 TOKENIZER_GROUPS = {
     "llama3": "llama3",
     "llama3.1": "llama3",
@@ -48,6 +54,8 @@ TOKENIZER_GROUPS = {
 # plain decoding on this machine: it loads a model and writes text twice a step, so it must
 # clearly beat prompt lookup's free guesses.
 CROSS_DRAFT_PAYS = 1.1
+# Heads `specgen train` makes, saved in the cache for a target (speccli.heads.store).
+TRAINED_HEAD_KINDS = ("medusa", "eagle")
 HEAD_LAYOUTS = ("eagle3", "eagle", "medusa")  # the order --draft auto prefers them in
 LAYOUT_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1/2", "medusa": "Medusa"}
 
@@ -153,10 +161,57 @@ def other_tokenizer_drafts(target: Alias) -> list[Alias]:
     return sorted(smallest.values(), key=lambda a: (parameters(a), a.name))
 
 
-def choose_draft(target: str, cuda: bool = False, measured: Mapping[str, float] | None = None) -> DraftChoice:
+def trained_heads(target: str, cache_dir: Path | None = None) -> list[str]:
+    """The kinds of heads `specgen train` saved for `target` in the cache."""
+    from speccli.models.names import offline
+
+    cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
+    alias = registered(target)
+    name = alias.name if alias else target
+    return [kind for kind in TRAINED_HEAD_KINDS if offline.default_heads_path(cache, name, kind).is_file()]
+
+
+def choose_draft(
+    target: str,
+    cuda: bool = False,
+    measured: Mapping[str, float] | None = None,
+    trained: Sequence[str] = (),
+) -> DraftChoice:
     """What `--draft auto` takes for `target` (see the module's docstring); on CUDA a
     registered published head comes first. `measured`: drafts' measured gains over plain
-    decoding for this target on this machine (speccli.calibration.measured_draft_gains)."""
+    decoding for this target on this machine (speccli.calibration.measured_draft_gains);
+    `trained`: the kinds of heads trained here for it (`trained_heads`)."""
+    heads = heads_for(target) if cuda else []
+    if heads:
+        alias = registered(target)
+        assert alias is not None  # heads_for finds heads only for a registered target
+        return DraftChoice(
+            heads[0].draft,
+            f"the registered {LAYOUT_NAMES[heads[0].layout]} head of {alias.name},"
+            " trained by its publisher on chat data",
+        )
+    return _measured_more(_choose_model(target, measured or {}), trained, measured or {})
+
+
+def _measured_more(choice: DraftChoice, trained: Sequence[str], gains: Mapping[str, float]) -> DraftChoice:
+    """Heads trained here, or lookahead decoding, in place of `choice` where a session measured
+    them paying here, and more than `choice` measured (prompt lookup unmeasured counts as paying
+    less: lookahead and heads are never below it by much; a draft model unmeasured keeps its place)."""
+    paying = [(gains[name], name) for name in (*trained, LOOKAHEAD) if gains.get(name, 0.0) >= CROSS_DRAFT_PAYS]
+    if not paying:
+        return choice
+    gain, name = max(paying)
+    what = f"the {name} heads trained here" if name in TRAINED_HEAD_KINDS else "lookahead decoding"
+    other = gains.get(choice.name)
+    if other is None and choice.name == PROMPT_LOOKUP:
+        return DraftChoice(name, f"{what} measured {gain:.2f}x plain decoding's rate here")
+    if other is None or other >= gain:
+        return choice
+    return DraftChoice(name, f"{what} measured {gain:.2f}x plain decoding's rate here ({choice.name}: {other:.2f}x)")
+
+
+def _choose_model(target: str, measured: Mapping[str, float]) -> DraftChoice:
+    """Steps 1-4 of the module's docstring: a draft model, or prompt lookup."""
     alias = registered(target)
     if alias is None:  # and so no registered heads either
         return DraftChoice(
@@ -164,16 +219,9 @@ def choose_draft(target: str, cuda: bool = False, measured: Mapping[str, float] 
             f"{target} is not in specgen's registry, so no draft model is known to share"
             " its tokenizer: prompt lookup (give --draft MODEL to use one)",
         )
-    heads = heads_for(target) if cuda else []
-    if heads:
-        return DraftChoice(
-            heads[0].draft,
-            f"the registered {LAYOUT_NAMES[heads[0].layout]} head of {alias.name},"
-            " trained by its publisher on chat data",
-        )
     candidates = draft_models_for(alias)
     if not candidates:
-        gains = measured or {}
+        gains = measured
         paying = [
             (gains[a.name], a.name) for a in other_tokenizer_drafts(alias) if gains.get(a.name, 0.0) >= CROSS_DRAFT_PAYS
         ]
@@ -218,8 +266,9 @@ def drafts_for(
     from speccli.models.names.offline import default_heads_path
     from speccli.models.names import offline
 
-    chosen = choose_draft(target, measured=measured).name
-    chosen_cuda = choose_draft(target, cuda=True, measured=measured).name
+    trained = trained_heads(target, cache_dir)
+    chosen = choose_draft(target, measured=measured, trained=trained).name
+    chosen_cuda = choose_draft(target, cuda=True, measured=measured, trained=trained).name
     options: list[DraftOption] = []
     alias = registered(target)
     for head in heads_for(target):
@@ -269,10 +318,13 @@ def drafts_for(
                 )
             )
     cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
-    for kind in ("medusa", "eagle"):
+    for kind in trained:
         path = default_heads_path(cache, alias.name if alias else target, kind)
-        if path.is_file():
-            options.append(DraftOption(kind, "heads", f"{kind} heads trained here ({path})"))
+        gain = (measured or {}).get(kind)
+        seen = f"; measured {gain:.2f}x plain here" if gain is not None else ""
+        options.append(
+            DraftOption(kind, "heads", f"{kind} heads trained here ({path}{seen})", kind == chosen, kind == chosen_cuda)
+        )
     options.append(
         DraftOption(
             PROMPT_LOOKUP,
@@ -288,9 +340,19 @@ def drafts_for(
             "drafter",
             "suffix drafting: continuations of the text so far and of earlier prompts and answers (kept in the cache;"
             " under auto beside a model or head, taking turns with it, kept in memory)",
-            chosen != PROMPT_LOOKUP,
-            chosen_cuda != PROMPT_LOOKUP,
+            chosen not in (PROMPT_LOOKUP, LOOKAHEAD),
+            chosen_cuda not in (PROMPT_LOOKUP, LOOKAHEAD),
         )
     )
-    options.append(DraftOption("lookahead", "drafter", "lookahead decoding: n-grams the target's own passes propose"))
+    gain = (measured or {}).get(LOOKAHEAD)
+    seen = f"; measured {gain:.2f}x plain here" if gain is not None else ""
+    options.append(
+        DraftOption(
+            LOOKAHEAD,
+            "drafter",
+            f"lookahead decoding: n-grams the target's own passes propose{seen}",
+            chosen == LOOKAHEAD,
+            chosen_cuda == LOOKAHEAD,
+        )
+    )
     return options
