@@ -107,6 +107,7 @@ def main() -> int:
                 f" {generation.stats.tokens_per_step or 0:.2f} tokens/step,"
                 f" {generation.stats.mean_pass_size or 0:.1f} tokens/pass,"
                 f" {seconds:.1f} s (target generate {plain_seconds:.1f} s){detail}"
+                f"; steps: {', '.join(f'{m} {n}' for m, n in generation.stats.methods.most_common())}"
             )
     print(repr(tokenizer.decode(reference)))
     return 1 if failures else 0

@@ -173,6 +173,12 @@ CASES = [
     (["generate", "x", *TINY, "--draft", "auto+"], EXIT_USAGE, "after '+' come drafters that need no model"),
     (["generate", "x", *TINY, "--draft", "ngram+ngram"], EXIT_USAGE, "before '+' comes a draft model or heads"),
     (["bench", "{prompts}", *TINY, "--draft", "none+ngram"], EXIT_USAGE, "before '+' comes a draft model or heads"),
+    (["generate", "x", *TINY, "--draft", "suffix+ngram"], EXIT_USAGE, "before '+' comes a draft model or heads"),
+    (
+        ["bench", "{prompts}", *TINY, "--draft", "lookahead+suffix"],
+        EXIT_USAGE,
+        "before '+' comes a draft model or heads",
+    ),
     (["generate", "x", *TINY, "--stop", ""], EXIT_USAGE, "stop strings must not be empty"),
     (["generate", "x", *TINY, "--device", ""], EXIT_USAGE, "device must be one of"),
     (["generate", "x", "--server", ""], EXIT_USAGE, "--server is empty"),
