@@ -73,7 +73,8 @@ class StepEvent:
     # prompt, the tokens of plain steps) before drafting: not a cost of each drafted token.
     catch_up_seconds: float = 0.0
     # A lookahead step (or a tree with a guess grafted in): how long prompt lookup's guess in
-    # its tree was, and how many of the accepted tokens it had (the rest came from the window's and the pool's n-grams).
+    # its tree was, and how many of the accepted tokens it had (the rest came from the
+    # window's and the pool's n-grams, or the drafter's own nodes).
     guessed: int = 0
     guessed_kept: int = 0
     # A tree with another candidate's guess grafted in (also counted in guessed, guessed_kept):

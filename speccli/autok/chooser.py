@@ -46,7 +46,7 @@ class MethodChooser(DraftLengthPolicy):
     def plan(self, signal: DraftSignal, room: int, trees: bool) -> StepPlan:
         best: StepPlan | None = None
         best_rate = -1.0
-        graft: tuple[float, Graft] | None = None
+        graft: tuple[float, str, int, KAutoPolicy] | None = None  # the best graftable: rate, name, k, policy
         first = next(iter(self.policies.values()))
         for name, policy in self.policies.items():
             part = signal.part(name)
@@ -64,13 +64,14 @@ class MethodChooser(DraftLengthPolicy):
             if rate > best_rate:
                 best, best_rate = replace(plan, source=name), rate
             if name in self.graftable and (graft is None or rate > graft[0]):
-                survival = tuple(policy.expected(i + 1) - policy.expected(i) for i in range(plan.k))
-                graft = (rate, Graft(name, plan.k, survival))
+                graft = (rate, name, plan.k, policy)
         self._chosen = best.source if best is not None else None
         if best is None:
             return StepPlan()
-        if graft is not None and graft[1].source != best.source:
-            best = replace(best, graft=replace(graft[1], rate=max(best_rate, 0.0)))
+        if graft is not None and graft[1] != best.source:
+            _, name, k, policy = graft
+            survival = tuple(policy.expected(i + 1) - policy.expected(i) for i in range(k))
+            best = replace(best, graft=Graft(name, k, survival, rate=max(best_rate, 0.0)))
         return best
 
     def plain_seconds(self) -> float | None:

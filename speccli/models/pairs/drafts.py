@@ -306,8 +306,7 @@ def drafts_for(
                 if share is not None
                 else "vocabulary share known once both tokenizers are on this machine"
             )
-            gain = (measured or {}).get(model.name)
-            seen = f"; measured {gain:.2f}x plain here" if gain is not None else ""
+            seen = _measured_note(measured, model.name)
             options.append(
                 DraftOption(
                     model.name,
@@ -320,8 +319,7 @@ def drafts_for(
     cache = Path(cache_dir) if cache_dir is not None else offline.default_cache_dir()
     for kind in trained:
         path = default_heads_path(cache, alias.name if alias else target, kind)
-        gain = (measured or {}).get(kind)
-        seen = f"; measured {gain:.2f}x plain here" if gain is not None else ""
+        seen = _measured_note(measured, kind)
         options.append(
             DraftOption(kind, "heads", f"{kind} heads trained here ({path}{seen})", kind == chosen, kind == chosen_cuda)
         )
@@ -344,15 +342,19 @@ def drafts_for(
             chosen_cuda not in (PROMPT_LOOKUP, LOOKAHEAD),
         )
     )
-    gain = (measured or {}).get(LOOKAHEAD)
-    seen = f"; measured {gain:.2f}x plain here" if gain is not None else ""
     options.append(
         DraftOption(
             LOOKAHEAD,
             "drafter",
-            f"lookahead decoding: n-grams the target's own passes propose{seen}",
+            f"lookahead decoding: n-grams the target's own passes propose{_measured_note(measured, LOOKAHEAD)}",
             chosen == LOOKAHEAD,
             chosen_cuda == LOOKAHEAD,
         )
     )
     return options
+
+
+def _measured_note(measured: Mapping[str, float] | None, name: str) -> str:
+    """ "; measured 1.30x plain here" where a session measured `name` here, else nothing."""
+    gain = (measured or {}).get(name)
+    return f"; measured {gain:.2f}x plain here" if gain is not None else ""
